@@ -1,0 +1,14 @@
+// Process-level measurements used by the CLI's timing line and by benchmarks.
+#pragma once
+#include <cstdint>
+#include <string>
+
+namespace merlin {
+
+double now_seconds();            // monotonic clock
+uint64_t peak_rss_bytes();       // VmHWM of this process
+uint64_t current_rss_bytes();    // VmRSS of this process
+std::string format_bytes(uint64_t bytes);  // "123.4 MiB"
+bool stderr_is_terminal();
+
+}  // namespace merlin

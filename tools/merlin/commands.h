@@ -1,0 +1,25 @@
+// Subcommands of the `merlin` CLI. Each registers its flags on a CLI11 subcommand and returns the
+// function that runs it; main() turns merlin::Error into "error: ..." and exit code 1.
+#pragma once
+#include <CLI/CLI.hpp>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace merlin::cli {
+
+using Action = std::function<int()>;
+
+Action add_run(CLI::App& app);
+Action add_info(CLI::App& app);
+Action add_init(CLI::App& app);
+Action add_logits(CLI::App& app);
+
+// "1,2,3" -> {1,2,3}; throws merlin::Error on anything else.
+std::vector<int32_t> parse_id_list(const std::string& s);
+// Directory holding encoder.json + vocab.bpe: the flag, $MERLIN_VOCAB_DIR, the setup script's cache,
+// or ../shared/data/tokenizer/gpt2.
+std::string find_gpt2_vocab_dir(const std::string& flag);
+
+}  // namespace merlin::cli

@@ -1,0 +1,45 @@
+// merlin: the command-line front end. Every subcommand is a thin layer over the library API.
+#include <cstdio>
+#include <map>
+
+#include "commands.h"
+#include "core/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"Merlin: train, quantize, run and serve small language models", "merlin"};
+  app.require_subcommand(1);
+  std::map<CLI::App*, merlin::cli::Action> actions;
+  auto add = [&](const char* name, const char* desc, merlin::cli::Action (*fn)(CLI::App&)) {
+    CLI::App* sub = app.add_subcommand(name, desc);
+    actions[sub] = fn(*sub);
+  };
+  add("run", "generate text from a prompt", merlin::cli::add_run);
+  add("info", "print a GGUF file's metadata, tensors and parameter count", merlin::cli::add_info);
+  add("init", "write a randomly initialised model", merlin::cli::add_init);
+  add("logits", "write the logits of a token sequence (for testing against references)", merlin::cli::add_logits);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "error: %s (see 'merlin --help')\n", e.what());
+    return 2;
+  }
+  try {
+    for (auto& [sub, action] : actions)
+      if (sub->parsed()) return action();
+  } catch (const merlin::Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "error: out of memory\n");
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
