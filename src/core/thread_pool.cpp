@@ -43,7 +43,12 @@ void ThreadPool::run(const std::function<void(int, int)>& fn) {
   }
   cv_.notify_all();
   fn(0, n_threads_);
-  while (pending_.load(std::memory_order_acquire) != 0) MERLIN_PAUSE();
+  // Spin first (the common case is a few microseconds), then yield so an oversubscribed machine can run
+  // the worker we are waiting for.
+  for (int spin = 0; pending_.load(std::memory_order_acquire) != 0; ++spin) {
+    if (spin < 4000) MERLIN_PAUSE();
+    else std::this_thread::yield();
+  }
   job_ = nullptr;
 }
 
@@ -70,7 +75,8 @@ void ThreadPool::worker_loop(int index) {
     // Spin for a short while: the next parallel section usually follows within microseconds.
     uint64_t gen = generation_.load(std::memory_order_acquire);
     for (int spin = 0; gen == seen && spin < 20000; ++spin) {
-      MERLIN_PAUSE();
+      if (spin < 4000) MERLIN_PAUSE();
+      else std::this_thread::yield();
       gen = generation_.load(std::memory_order_acquire);
     }
     if (gen == seen) {

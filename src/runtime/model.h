@@ -1,0 +1,63 @@
+// A loaded model: configuration, tokenizer and weight views into the mmapped GGUF file. Weights are
+// used in place (no copy) in whatever type the file stores; only small 1-D norm vectors are converted
+// to f32 and owned.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "format/gguf.h"
+#include "model/config.h"
+#include "tokenizer/tokenizer.h"
+
+namespace merlin {
+
+// A 2-D weight matrix: `rows` output features, each a row of `cols` elements of `type`.
+struct Weight {
+  DType type = DType::F32;
+  const void* data = nullptr;
+  int64_t rows = 0, cols = 0;
+  size_t row_bytes = 0;
+  const uint8_t* row(int64_t r) const { return static_cast<const uint8_t*>(data) + (size_t)r * row_bytes; }
+};
+
+struct LayerWeights {
+  std::vector<float> attn_norm, ffn_norm;
+  Weight wq, wk, wv, wo;
+  Weight gate, up, down;
+};
+
+class Model {
+ public:
+  // Maps and validates the file: architecture, shapes of every tensor against the config, tokenizer.
+  static std::unique_ptr<Model> load(const std::string& path);
+
+  const ModelConfig& config() const { return config_; }
+  const Tokenizer& tokenizer() const { return *tokenizer_; }
+  const gguf::File& file() const { return *file_; }
+
+  const Weight& token_embd() const { return token_embd_; }
+  const Weight& output() const { return output_; }  // token_embd when tied
+  const std::vector<float>& output_norm() const { return output_norm_; }
+  const LayerWeights& layer(int i) const { return layers_[(size_t)i]; }
+
+  // Main weight type (of the attention Q projection), e.g. for `merlin bench` rows.
+  DType weight_type() const { return layers_.empty() ? token_embd_.type : layers_[0].wq.type; }
+  uint64_t weight_bytes() const;  // bytes of all tensors in the file
+
+ private:
+  Model() = default;
+  Weight matrix(const std::string& name, int64_t rows, int64_t cols) const;
+  std::vector<float> vector(const std::string& name, int64_t n) const;
+
+  std::unique_ptr<gguf::File> file_;
+  ModelConfig config_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  Weight token_embd_, output_;
+  std::vector<float> output_norm_;
+  std::vector<LayerWeights> layers_;
+};
+
+}  // namespace merlin

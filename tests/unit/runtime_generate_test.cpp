@@ -1,0 +1,160 @@
+// Whole-model tests of the CPU forward pass and generation: llama2.c's own outputs for stories260K,
+// and agreement between the prefill, decode and no-cache paths and between batched sequences.
+#include <cmath>
+#include <fstream>
+#include <iterator>
+
+#include "core/error.h"
+#include "runtime/backend.h"
+#include "runtime/generate.h"
+#include "runtime/model.h"
+#include "test_util.h"
+
+using namespace merlin;
+
+namespace {
+
+std::string read_text(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+}
+
+// Greedy generation the way llama2.c's run.c does it: `steps` positions in total, stop at BOS (id 1).
+std::string llama2c_greedy(const Model& m, const std::string& prompt, int steps) {
+  BackendOptions bo;
+  bo.n_threads = 2;
+  auto backend = make_cpu_backend(m, bo);
+  const Tokenizer& tok = m.tokenizer();
+  std::vector<int32_t> ids = {tok.bos_id()};
+  for (int32_t id : tok.encode(prompt, false)) ids.push_back(id);
+  std::string text;
+  int32_t prev = -1;
+  for (int32_t id : ids) {
+    text += tok.decode_token(id, prev);
+    prev = id;
+  }
+  GenerateOptions go;
+  go.n_predict = steps - (int)ids.size() + 1;
+  go.stop_at_eos = false;
+  go.sampling.temperature = 0;
+  generate(m, *backend, ids, go, [&](int32_t id) {
+    if (id == 1) return false;
+    text += tok.decode_token(id, prev);
+    prev = id;
+    return true;
+  });
+  return text + "\n";
+}
+
+float max_abs(const std::vector<float>& v) {
+  float m = 0;
+  for (float x : v) m = std::max(m, std::fabs(x));
+  return m;
+}
+
+float max_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  float m = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) m = std::max(m, std::fabs(a[i] - b[i]));
+  return m;
+}
+
+}  // namespace
+
+TEST(Stories260K, GreedyMatchesLlama2cWithPrompt) {
+  MERLIN_REQUIRE_DATA(model_path, "models/stories260K/stories260K.gguf");
+  MERLIN_REQUIRE_DATA(expected, "models/stories260K/llama2c_run_t0.0_prompt_once_n100.out.txt");
+  auto m = Model::load(model_path);
+  EXPECT_EQ(llama2c_greedy(*m, "Once upon a time", 100), read_text(expected));
+}
+
+TEST(Stories260K, GreedyMatchesLlama2cEmptyPrompt) {
+  MERLIN_REQUIRE_DATA(model_path, "models/stories260K/stories260K.gguf");
+  MERLIN_REQUIRE_DATA(expected, "models/stories260K/llama2c_run_t0.0.out.txt");
+  auto m = Model::load(model_path);
+  EXPECT_EQ(llama2c_greedy(*m, "", 256), read_text(expected));
+}
+
+TEST(Forward, PrefillDecodeAndNoCacheAgree) {
+  MERLIN_REQUIRE_DATA(model_path, "models/tiny-llama-conformance/tiny-f32.gguf");
+  auto m = Model::load(model_path);
+  BackendOptions bo;
+  bo.n_threads = 2;
+  bo.max_batch = 7;  // forces chunked prefill
+  auto backend = make_cpu_backend(*m, bo);
+  const std::vector<int32_t> ids = {1, 403, 407, 261, 378, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120};
+  const size_t vocab = (size_t)m->config().vocab_size;
+  const std::vector<float> all = prefill(*m, *backend, ids, 0, 0, true);
+  ASSERT_EQ(all.size(), ids.size() * vocab);
+  const float tol = 1e-5f * max_abs(all);
+  std::vector<float> decode, nocache;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    auto row = prefill(*m, *backend, {ids[i]}, 0, (int)i, false);
+    decode.insert(decode.end(), row.begin(), row.end());
+  }
+  EXPECT_LE(max_diff(all, decode), tol);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    backend->clear_sequence(0);
+    auto row = prefill(*m, *backend, std::vector<int32_t>(ids.begin(), ids.begin() + (ptrdiff_t)i + 1), 0, 0, false);
+    nocache.insert(nocache.end(), row.begin(), row.end());
+  }
+  EXPECT_LE(max_diff(all, nocache), tol);
+}
+
+TEST(Forward, SequencesInOneBatchMatchSeparateRuns) {
+  MERLIN_REQUIRE_DATA(model_path, "models/stories260K/stories260K.gguf");
+  auto m = Model::load(model_path);
+  BackendOptions bo;
+  bo.n_threads = 2;
+  bo.n_seq = 3;
+  auto backend = make_cpu_backend(*m, bo);
+  const size_t vocab = (size_t)m->config().vocab_size;
+  const std::vector<std::vector<int32_t>> seqs = {{1, 403, 407}, {1, 50, 60, 70, 80}, {1, 9}};
+  std::vector<std::vector<float>> alone;
+  for (const auto& s : seqs) alone.push_back(prefill(*m, *backend, s, 0, 0, true));
+  Batch b;
+  for (size_t si = 0; si < seqs.size(); ++si)
+    for (size_t i = 0; i < seqs[si].size(); ++i) b.add(seqs[si][i], (int)i, (int)si, true);
+  std::vector<float> mixed(b.n_logits() * vocab);
+  backend->forward(b, mixed.data());
+  size_t row = 0;
+  for (size_t si = 0; si < seqs.size(); ++si) {
+    std::vector<float> got(mixed.begin() + (ptrdiff_t)(row * vocab),
+                           mixed.begin() + (ptrdiff_t)((row + seqs[si].size()) * vocab));
+    EXPECT_LE(max_diff(got, alone[si]), 1e-5f * max_abs(alone[si])) << "sequence " << si;
+    row += seqs[si].size();
+  }
+}
+
+TEST(Forward, RejectsBadTokensAndPositions) {
+  MERLIN_REQUIRE_DATA(model_path, "models/stories260K/stories260K.gguf");
+  auto m = Model::load(model_path);
+  BackendOptions bo;
+  bo.n_ctx = 16;
+  auto backend = make_cpu_backend(*m, bo);
+  std::vector<float> logits(m->config().vocab_size);
+  Batch b;
+  b.add(512, 0, 0, true);
+  EXPECT_THROW(backend->forward(b, logits.data()), Error);
+  b.clear();
+  b.add(1, 16, 0, true);
+  EXPECT_THROW(backend->forward(b, logits.data()), Error);
+  EXPECT_THROW(prefill(*m, *backend, std::vector<int32_t>(17, 1), 0, 0, false), Error);
+}
+
+TEST(Generate, KvCacheAndNoCacheGiveSameTokens) {
+  MERLIN_REQUIRE_DATA(model_path, "models/stories260K/stories260K.gguf");
+  auto m = Model::load(model_path);
+  auto backend = make_cpu_backend(*m, BackendOptions{});
+  const std::vector<int32_t> prompt = {1, 403, 407, 261, 378};
+  std::vector<int32_t> with, without;
+  GenerateOptions go;
+  go.n_predict = 40;
+  go.sampling.temperature = 0.8f;
+  go.sampling.seed = 3;
+  generate(*m, *backend, prompt, go, [&](int32_t id) { with.push_back(id); return true; });
+  go.use_kv_cache = false;
+  generate(*m, *backend, prompt, go, [&](int32_t id) { without.push_back(id); return true; });
+  EXPECT_EQ(with, without);
+  EXPECT_FALSE(with.empty());
+}
