@@ -1,0 +1,130 @@
+// AVX2+FMA element-wise kernels. Tails use maskload/maskstore, so short vectors take the vector path and
+// give the same numbers as long ones.
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "kernels/cpu/kernels_impl.h"
+
+namespace merlin::kernels::avx2 {
+namespace {
+
+inline __m256i tail_mask(int64_t n) {
+  const int c = n < 0 ? 0 : n > 8 ? 8 : (int)n;
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+inline __m256 load(const float* p, int64_t n) { return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, tail_mask(n)); }
+
+inline void store(float* p, int64_t n, __m256 v) {
+  if (n >= 8) _mm256_storeu_ps(p, v);
+  else _mm256_maskstore_ps(p, tail_mask(n), v);
+}
+
+inline float hsum(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+
+// exp(x) within ~1 ulp: x = n ln2 + r with |r| <= ln2/2 (ln2 split in two for an exact reduction), a degree-6
+// polynomial (Cephes expf) for e^r, and 2^n built in the exponent field. The input is clamped so 2^n stays a
+// normal float: large x saturate near FLT_MAX instead of inf, and results below the smallest normal are 0
+// (so -inf maps to exactly 0).
+inline __m256 exp_ps(__m256 x) {
+  const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654475f)), _mm256_set1_ps(88.3762626647949f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 e = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 out = _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
+  return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.33654475f), _CMP_LT_OQ), out);
+}
+
+}  // namespace
+
+void rmsnorm(const float* x, const float* w, int64_t n, float eps, float* y) {
+  __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32)
+    MERLIN_UNROLL
+    for (int u = 0; u < 4; ++u) {
+      const __m256 v = _mm256_loadu_ps(x + i + 8 * u);
+      s[u] = _mm256_fmadd_ps(v, v, s[u]);
+    }
+  for (; i < n; i += 8) {
+    const __m256 v = load(x + i, n - i);
+    s[0] = _mm256_fmadd_ps(v, v, s[0]);
+  }
+  const float mean = hsum(_mm256_add_ps(_mm256_add_ps(s[0], s[1]), _mm256_add_ps(s[2], s[3]))) / (float)n;
+  const __m256 scale = _mm256_set1_ps(1.0f / _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(mean + eps))));
+  for (i = 0; i < n; i += 8) {
+    const __m256 v = _mm256_mul_ps(load(x + i, n - i), scale);
+    store(y + i, n - i, _mm256_mul_ps(v, load(w + i, n - i)));
+  }
+}
+
+void swiglu(const float* gate, const float* up, int64_t n, float* out) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 g = load(gate + i, n - i);
+    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    store(out + i, n - i, _mm256_mul_ps(silu, load(up + i, n - i)));
+  }
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32)
+    MERLIN_UNROLL
+    for (int u = 0; u < 4; ++u)
+      s[u] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * u), _mm256_loadu_ps(b + i + 8 * u), s[u]);
+  for (; i < n; i += 8) s[0] = _mm256_fmadd_ps(load(a + i, n - i), load(b + i, n - i), s[0]);
+  return hsum(_mm256_add_ps(_mm256_add_ps(s[0], s[1]), _mm256_add_ps(s[2], s[3])));
+}
+
+void axpy(float a, const float* x, float* y, int64_t n) {
+  const __m256 av = _mm256_set1_ps(a);
+  for (int64_t i = 0; i < n; i += 8) store(y + i, n - i, _mm256_fmadd_ps(av, load(x + i, n - i), load(y + i, n - i)));
+}
+
+void add(const float* a, const float* b, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8) store(out + i, n - i, _mm256_add_ps(load(a + i, n - i), load(b + i, n - i)));
+}
+
+void softmax(float* x, int64_t n) {
+  if (n <= 0) return;
+  const __m256 neg_inf = _mm256_set1_ps(-__builtin_inff());
+  __m256 mx = neg_inf;
+  for (int64_t i = 0; i < n; i += 8) {  // masked-off lanes contribute -inf, not 0
+    const __m256 v = _mm256_blendv_ps(neg_inf, load(x + i, n - i), _mm256_castsi256_ps(tail_mask(n - i)));
+    mx = _mm256_max_ps(mx, v);
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float maxv = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+  if (maxv == -__builtin_inff()) {  // same convention as the scalar reference: no finite entry -> all zero
+    for (int64_t i = 0; i < n; i += 8) store(x + i, n - i, _mm256_setzero_ps());
+    return;
+  }
+  const __m256 mv = _mm256_set1_ps(maxv);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 e = _mm256_and_ps(exp_ps(_mm256_sub_ps(load(x + i, n - i), mv)), _mm256_castsi256_ps(tail_mask(n - i)));
+    store(x + i, n - i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  const __m256 inv = _mm256_set1_ps(1.0f / hsum(sum));
+  for (int64_t i = 0; i < n; i += 8) store(x + i, n - i, _mm256_mul_ps(load(x + i, n - i), inv));
+}
+
+}  // namespace merlin::kernels::avx2

@@ -1,0 +1,141 @@
+// AVX-512 element-wise kernels. Tails use masked loads and stores, so short vectors (a 64-wide attention head)
+// take the same path as long ones.
+// GCC 12's AVX-512 headers seed results with a self-initialized "undefined" vector and then warn about it
+// wherever an intrinsic is inlined (fixed in GCC 13); the warning's location is inside the header.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+
+#include <cstdint>
+
+#include "kernels/cpu/kernels_impl.h"
+
+namespace merlin::kernels::avx512 {
+namespace {
+
+inline __mmask16 tail_mask(int64_t n) {
+  return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
+// exp(x) within ~1 ulp: x = n ln2 + r with |r| <= ln2/2 (ln2 split in two for an exact reduction), a degree-6
+// polynomial (Cephes expf) for e^r, and vscalefps for 2^n, which saturates to inf / 0 by itself. Results
+// below the smallest normal float are flushed to 0, so -inf maps to exactly 0.
+inline __m512 exp_ps(__m512 x) {
+  const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 e = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512 out = _mm512_scalef_ps(e, n);
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654475f), _CMP_LT_OQ);
+  return _mm512_mask_mov_ps(out, tiny, _mm512_setzero_ps());
+}
+
+inline __m512 silu_ps(__m512 g) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  return _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+}
+
+inline float hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a, b), _mm512_add_ps(c, d)));
+}
+
+}  // namespace
+
+void rmsnorm(const float* x, const float* w, int64_t n, float eps, float* y) {
+  __m512 s[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64)
+    MERLIN_UNROLL
+    for (int u = 0; u < 4; ++u) {
+      const __m512 v = _mm512_loadu_ps(x + i + 16 * u);
+      s[u] = _mm512_fmadd_ps(v, v, s[u]);
+    }
+  for (; i < n; i += 16) {
+    const __m512 v = _mm512_maskz_loadu_ps(tail_mask(n - i), x + i);
+    s[0] = _mm512_fmadd_ps(v, v, s[0]);
+  }
+  const float mean = hsum4(s[0], s[1], s[2], s[3]) / (float)n;
+  const __m512 scale = _mm512_set1_ps(1.0f / _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(mean + eps))));
+  for (i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), scale);
+    _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, w + i)));
+  }
+}
+
+void swiglu(const float* gate, const float* up, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
+    _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(silu_ps(g), _mm512_maskz_loadu_ps(m, up + i)));
+  }
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  __m512 s[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64)
+    MERLIN_UNROLL
+    for (int u = 0; u < 4; ++u)
+      s[u] = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16 * u), _mm512_loadu_ps(b + i + 16 * u), s[u]);
+  for (; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    s[0] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), s[0]);
+  }
+  return hsum4(s[0], s[1], s[2], s[3]);
+}
+
+void axpy(float a, const float* x, float* y, int64_t n) {
+  const __m512 av = _mm512_set1_ps(a);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 r = _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i));
+    _mm512_mask_storeu_ps(y + i, m, r);
+  }
+}
+
+void add(const float* a, const float* b, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    _mm512_mask_storeu_ps(out + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i)));
+  }
+}
+
+void softmax(float* x, int64_t n) {
+  if (n <= 0) return;
+  __m512 mx = _mm512_set1_ps(-__builtin_inff());
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, x + i));
+  }
+  const float maxv = _mm512_reduce_max_ps(mx);
+  if (maxv == -__builtin_inff()) {  // same convention as the scalar reference: no finite entry -> all zero
+    for (int64_t i = 0; i < n; i += 16) _mm512_mask_storeu_ps(x + i, tail_mask(n - i), _mm512_setzero_ps());
+    return;
+  }
+  const __m512 mv = _mm512_set1_ps(maxv);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), mv)));
+    _mm512_mask_storeu_ps(x + i, m, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    _mm512_mask_storeu_ps(x + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), inv));
+  }
+}
+
+}  // namespace merlin::kernels::avx512

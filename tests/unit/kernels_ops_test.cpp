@@ -1,0 +1,223 @@
+// Element-wise kernels at every level against the scalar reference, RoPE against a double-precision formula,
+// dequantize_row, and the level selection itself.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <ostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/cpu_features.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "kernels/cpu/kernels.h"
+
+namespace merlin {
+// Readable parameter names in gtest failure messages.
+inline void PrintTo(KernelLevel l, std::ostream* os) { *os << kernel_level_name(l); }
+}  // namespace merlin
+
+namespace merlin::kernels {
+namespace {
+
+#define SKIP_IF_UNAVAILABLE(level)                                                                       \
+  if ((level) > best_kernel_level())                                                                    \
+  GTEST_SKIP() << "CPU lacks " << kernel_level_name(level) << " (has: " << cpu_features_string() << ")"
+
+const int64_t kSizes[] = {1, 7, 15, 17, 64, 100, 768, 1000, 4099};
+
+std::vector<float> random_vec(int64_t n, float lo, float hi, std::mt19937& rng) {
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v((size_t)n);
+  for (float& f : v) f = dist(rng);
+  return v;
+}
+
+class OpsLevelTest : public ::testing::TestWithParam<KernelLevel> {
+ protected:
+  const KernelTable& table() { return kernels_for(GetParam()); }
+  const KernelTable& ref() { return kernels_for(KernelLevel::Scalar); }
+  std::mt19937 rng{42};
+};
+
+TEST_P(OpsLevelTest, TableLevel) {
+  SKIP_IF_UNAVAILABLE(GetParam());
+  EXPECT_EQ(table().level, GetParam());
+}
+
+TEST_P(OpsLevelTest, Rmsnorm) {
+  SKIP_IF_UNAVAILABLE(GetParam());
+  for (int64_t n : kSizes) {
+    SCOPED_TRACE("n=" + std::to_string(n));
+    std::vector<float> x = random_vec(n, -3, 3, rng), w = random_vec(n, 0.5f, 1.5f, rng);
+    std::vector<float> want((size_t)n), got((size_t)n);
+    ref().rmsnorm(x.data(), w.data(), n, 1e-5f, want.data());
+    table().rmsnorm(x.data(), w.data(), n, 1e-5f, got.data());
+    for (int64_t i = 0; i < n; ++i) ASSERT_NEAR(got[i], want[i], 1e-5 * std::fabs(want[i]) + 1e-7) << i;
+    table().rmsnorm(x.data(), w.data(), n, 1e-5f, x.data());  // in place
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(x[i], got[i]) << i;
+  }
+}
+
+TEST_P(OpsLevelTest, Swiglu) {
+  SKIP_IF_UNAVAILABLE(GetParam());
+  for (int64_t n : kSizes) {
+    SCOPED_TRACE("n=" + std::to_string(n));
+    std::vector<float> g = random_vec(n, -20, 20, rng), u = random_vec(n, -2, 2, rng);
+    const float specials[] = {0.0f, -0.0f, 100.0f, -100.0f, 88.0f, -88.0f, 89.0f, -89.0f, 1e-8f, -1e-30f};
+    for (size_t i = 0; i < sizeof(specials) / sizeof(float) && (int64_t)i < n; ++i) g[i] = specials[i];
+    std::vector<float> want((size_t)n), got((size_t)n);
+    ref().swiglu(g.data(), u.data(), n, want.data());
+    table().swiglu(g.data(), u.data(), n, got.data());
+    for (int64_t i = 0; i < n; ++i) ASSERT_NEAR(got[i], want[i], 1e-6 * std::fabs(want[i]) + 1e-30) << "gate " << g[i];
+    table().swiglu(g.data(), u.data(), n, g.data());  // out aliases gate
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(g[i], got[i]) << i;
+  }
+}
+
+TEST_P(OpsLevelTest, DotAxpyAdd) {
+  SKIP_IF_UNAVAILABLE(GetParam());
+  for (int64_t n : kSizes) {
+    SCOPED_TRACE("n=" + std::to_string(n));
+    std::vector<float> a = random_vec(n, -1, 1, rng), b = random_vec(n, -1, 1, rng);
+    double exact = 0.0, mag = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      exact += (double)a[i] * b[i];
+      mag += std::fabs((double)a[i] * b[i]);
+    }
+    EXPECT_NEAR(table().dot(a.data(), b.data(), n), exact, 1e-5 * mag + 1e-6);
+    EXPECT_NEAR(table().dot(a.data(), b.data(), n), ref().dot(a.data(), b.data(), n), 1e-5 * mag + 1e-6);
+
+    std::vector<float> y1 = b, y2 = b;
+    ref().axpy(0.75f, a.data(), y1.data(), n);
+    table().axpy(0.75f, a.data(), y2.data(), n);
+    for (int64_t i = 0; i < n; ++i) ASSERT_NEAR(y2[i], y1[i], 1e-6 * (std::fabs(b[i]) + std::fabs(a[i]))) << i;
+
+    std::vector<float> s1((size_t)n), s2 = a;
+    ref().add(a.data(), b.data(), s1.data(), n);
+    table().add(s2.data(), b.data(), s2.data(), n);  // out aliases a
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(s2[i], s1[i]) << i;
+  }
+}
+
+TEST_P(OpsLevelTest, Softmax) {
+  SKIP_IF_UNAVAILABLE(GetParam());
+  for (int64_t n : kSizes) {
+    SCOPED_TRACE("n=" + std::to_string(n));
+    std::vector<float> x = random_vec(n, -30, 30, rng);
+    for (int64_t i = 1; i < n; i += 3) x[i] = -INFINITY;  // masked positions
+    std::vector<float> want = x, got = x;
+    ref().softmax(want.data(), n);
+    table().softmax(got.data(), n);
+    double total = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (x[i] == -INFINITY) {
+        ASSERT_EQ(got[i], 0.0f) << i;
+      }
+      ASSERT_NEAR(got[i], want[i], 1e-5 * want[i] + 1e-7) << i;
+      total += got[i];
+    }
+    EXPECT_NEAR(total, 1.0, 1e-5);
+  }
+}
+
+TEST_P(OpsLevelTest, SoftmaxEdgeCases) {
+  SKIP_IF_UNAVAILABLE(GetParam());
+  float one = 3.5f;
+  table().softmax(&one, 1);
+  EXPECT_EQ(one, 1.0f);
+  std::vector<float> all_masked(19, -INFINITY);
+  table().softmax(all_masked.data(), 19);
+  for (float v : all_masked) EXPECT_EQ(v, 0.0f);
+  std::vector<float> equal(23, 2.0f);
+  table().softmax(equal.data(), 23);
+  for (float v : equal) EXPECT_NEAR(v, 1.0f / 23, 1e-7);
+}
+
+INSTANTIATE_TEST_SUITE_P(Levels, OpsLevelTest,
+                         ::testing::Values(KernelLevel::Scalar, KernelLevel::Avx2, KernelLevel::Avx512),
+                         [](const auto& info) { return std::string(kernel_level_name(info.param)); });
+
+// theta_i = pos * base^(-2i/n_rot) on pairs (2i, 2i+1); dims past n_rot unchanged. The kernel follows ggml's
+// float recurrence, whose angle error grows with pos, hence the pos-dependent tolerance.
+TEST(Rope, MatchesDoubleFormula) {
+  std::mt19937 rng(5);
+  for (int64_t head_dim : {64, 128})
+    for (int64_t n_rot : {head_dim, head_dim / 2, (int64_t)2})
+      for (float base : {10000.0f, 500000.0f})
+        for (int64_t pos : {0, 1, 7, 100, 1000, 4095}) {
+          SCOPED_TRACE("head_dim=" + std::to_string(head_dim) + " n_rot=" + std::to_string(n_rot) +
+                       " pos=" + std::to_string(pos));
+          const int64_t n_heads = 3;
+          std::vector<float> x = random_vec(n_heads * head_dim, -2, 2, rng), y = x;
+          rope_inplace(y.data(), n_heads, head_dim, n_rot, pos, base);
+          for (int64_t h = 0; h < n_heads; ++h)
+            for (int64_t i = 0; i < head_dim; i += 2) {
+              const float* in = &x[(size_t)(h * head_dim + i)];
+              const float* out = &y[(size_t)(h * head_dim + i)];
+              if (i >= n_rot) {
+                ASSERT_EQ(out[0], in[0]);
+                ASSERT_EQ(out[1], in[1]);
+                continue;
+              }
+              const double th = (double)pos * std::pow((double)base, -(double)i / (double)n_rot);
+              const double want0 = in[0] * std::cos(th) - in[1] * std::sin(th);
+              const double want1 = in[0] * std::sin(th) + in[1] * std::cos(th);
+              const double tol = (std::fabs(in[0]) + std::fabs(in[1])) * (4e-7 * (double)pos + 1e-6) + 1e-6;
+              ASSERT_NEAR(out[0], want0, tol) << "pair " << i / 2;
+              ASSERT_NEAR(out[1], want1, tol) << "pair " << i / 2;
+            }
+        }
+}
+
+TEST(DequantizeRow, FloatTypes) {
+  std::mt19937 rng(3);
+  const std::vector<float> v = random_vec(37, -100, 100, rng);
+  std::vector<float> out(v.size());
+  dequantize_row(DType::F32, v.data(), out.data(), (int64_t)v.size());
+  EXPECT_EQ(out, v);
+  std::vector<uint16_t> h(v.size()), b(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    h[i] = f32_to_fp16(v[i]);
+    b[i] = f32_to_bf16(v[i]);
+  }
+  dequantize_row(DType::F16, h.data(), out.data(), (int64_t)v.size());
+  for (size_t i = 0; i < v.size(); ++i) EXPECT_EQ(out[i], fp16_to_f32(h[i]));
+  dequantize_row(DType::BF16, b.data(), out.data(), (int64_t)v.size());
+  for (size_t i = 0; i < v.size(); ++i) EXPECT_EQ(out[i], bf16_to_f32(b[i]));
+}
+
+TEST(DequantizeRow, UnsupportedTypeThrows) {
+  int32_t src[4] = {};
+  float dst[4];
+  EXPECT_THROW(dequantize_row(DType::I32, src, dst, 4), Error);
+}
+
+TEST(KernelLevelSelection, SetKernelLevelSelectsScalarTable) {
+  const KernelLevel before = active_kernel_level();
+  set_kernel_level(KernelLevel::Scalar);
+  EXPECT_EQ(kernels().level, KernelLevel::Scalar);
+  EXPECT_EQ(kernels().dot, kernels_for(KernelLevel::Scalar).dot);
+  EXPECT_EQ(kernels().matmul(DType::F32)->rows, kernels_for(KernelLevel::Scalar).matmul(DType::F32)->rows);
+  set_kernel_level(best_kernel_level());
+  EXPECT_EQ(kernels().level, best_kernel_level());
+  set_kernel_level(before);
+}
+
+TEST(KernelLevelSelection, TablesAreCappedByCpu) {
+  EXPECT_EQ(kernels_for(KernelLevel::Avx512).level, std::min(KernelLevel::Avx512, best_kernel_level()));
+}
+
+// MERLIN_KERNELS is read once per process, so check it in a fresh one (threadsafe death tests re-exec).
+TEST(KernelLevelSelection, EnvironmentForcesScalar) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  ::setenv("MERLIN_KERNELS", "scalar", 1);
+  EXPECT_EXIT(std::exit(kernels().level == KernelLevel::Scalar ? 0 : 1), ::testing::ExitedWithCode(0), "");
+  ::unsetenv("MERLIN_KERNELS");
+}
+
+}  // namespace
+}  // namespace merlin::kernels
