@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "core/dtype.h"
+
 namespace merlin {
 
 class Model;
@@ -38,7 +40,13 @@ struct BackendOptions {
   int n_ctx = 0;         // 0: the model's context length
   int n_seq = 1;         // independent sequences (KV cache slots)
   int max_batch = 512;   // most tokens in one forward() call
+  // K/V cache element type: F16 (default, as llama.cpp), F32 (exact fp32 attention, used by the parity
+  // tests) or Q8_0 (half the memory of F16 again; needs a head size that is a multiple of 32).
+  DType kv_type = DType::F16;
 };
+
+// "f32" | "f16" | "q8_0" -> DType; throws merlin::Error otherwise.
+DType parse_kv_type(const std::string& name);
 
 class Backend {
  public:

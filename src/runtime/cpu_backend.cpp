@@ -5,6 +5,11 @@
 //                        x += (silu(xn·Wg) * xn·Wu)·Wd
 // Matrix products are split over threads by output rows; the three projections sharing one input
 // (q/k/v, gate/up) run in one parallel section to keep synchronisation points per token low.
+//
+// The K/V cache stores rows of kv_dim elements in F32, F16 or Q8_0. Attention scores for one head are a
+// matrix-vector product of the cached K rows (a strided view: head offset, full-row stride) with q, done by
+// the same matmul kernel as the weights. With an F16 cache, q and the softmax weights are rounded to f16
+// first, which is what llama.cpp's CPU path computes, so greedy output matches it token for token.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -12,6 +17,7 @@
 #include "core/error.h"
 #include "core/thread_pool.h"
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/quant.h"
 #include "runtime/backend.h"
 #include "runtime/model.h"
 
@@ -41,9 +47,10 @@ class CpuBackend final : public Backend {
   void output_head(const Batch& batch, float* logits);
   void rmsnorm_rows(const float* x, const std::vector<float>& w, int64_t n, float* y);
   void matmul(const float* x, int64_t n_tokens, int64_t k, std::initializer_list<MatmulJob> jobs);
-  void attend(int layer, const Batch& batch, int64_t t, int64_t head, float* scores);
-  float* k_at(int layer, int seq, int pos) { return k_cache_[layer].get() + ((size_t)seq * n_ctx_ + pos) * c_.kv_dim(); }
-  float* v_at(int layer, int seq, int pos) { return v_cache_[layer].get() + ((size_t)seq * n_ctx_ + pos) * c_.kv_dim(); }
+  void attend(int layer, const Batch& batch, int64_t t, int64_t head, int thread);
+  void store_kv_row(const float* src, uint8_t* dst);
+  uint8_t* k_at(int layer, int seq, int pos) { return k_cache_[layer].get() + ((size_t)seq * n_ctx_ + pos) * kv_row_bytes_; }
+  uint8_t* v_at(int layer, int seq, int pos) { return v_cache_[layer].get() + ((size_t)seq * n_ctx_ + pos) * kv_row_bytes_; }
 
   const Model& m_;
   const ModelConfig& c_;
@@ -51,10 +58,14 @@ class CpuBackend final : public Backend {
   ThreadPool pool_;
   int n_ctx_, n_seq_, max_batch_;
   int64_t q_dim_;
-  // K/V cache per layer: [seq][pos][kv_dim], allocated untouched so unused context costs no RSS.
-  std::vector<std::unique_ptr<float[]>> k_cache_, v_cache_;
-  std::vector<float> x_, xn_, q_, k_, v_, att_, gate_, up_, tmp_, scores_;
-  std::vector<uint8_t> act_buf_;
+  DType kv_type_;
+  size_t kv_row_bytes_, kv_head_bytes_;
+  const kernels::MatmulKernel* score_kernel_;  // q · K rows for the cache type
+  // K/V cache per layer: [seq][pos][kv row], allocated untouched so unused context costs no RSS.
+  std::vector<std::unique_ptr<uint8_t[]>> k_cache_, v_cache_;
+  std::vector<float> x_, xn_, q_, k_, v_, att_, gate_, up_, tmp_;
+  std::vector<float> scores_, qconv_, vrow_;     // per-thread attention scratch
+  std::vector<uint8_t> act_buf_, qact_;         // qact_: per-thread q in the score kernel's format
 };
 
 CpuBackend::CpuBackend(const Model& model, const BackendOptions& opts)
@@ -66,10 +77,19 @@ CpuBackend::CpuBackend(const Model& model, const BackendOptions& opts)
   n_seq_ = std::max(1, opts.n_seq);
   max_batch_ = std::max(1, opts.max_batch);
   q_dim_ = c_.n_heads * c_.head_dim();
-  const size_t cache_floats = (size_t)n_seq_ * n_ctx_ * c_.kv_dim();
+  kv_type_ = opts.kv_type;
+  MERLIN_CHECK(kv_type_ == DType::F32 || kv_type_ == DType::F16 || kv_type_ == DType::Q8_0,
+               "KV cache type must be f32, f16 or q8_0");
+  MERLIN_CHECK(kv_type_ != DType::Q8_0 || c_.head_dim() % 32 == 0, "a q8_0 KV cache needs a head size that is a "
+               "multiple of 32 (this model's is ", c_.head_dim(), "); use --kv-type f16");
+  kv_row_bytes_ = dtype_row_bytes(kv_type_, (uint64_t)c_.kv_dim());
+  kv_head_bytes_ = dtype_row_bytes(kv_type_, (uint64_t)c_.head_dim());
+  score_kernel_ = kt_.matmul(kv_type_);
+  MERLIN_CHECK(score_kernel_ && score_kernel_->rows, "no kernel for a ", dtype_name(kv_type_), " KV cache");
+  const size_t cache_bytes = (size_t)n_seq_ * n_ctx_ * kv_row_bytes_;
   for (int l = 0; l < c_.n_layers; ++l) {
-    k_cache_.emplace_back(new float[cache_floats]);
-    v_cache_.emplace_back(new float[cache_floats]);
+    k_cache_.emplace_back(new uint8_t[cache_bytes]);
+    v_cache_.emplace_back(new uint8_t[cache_bytes]);
   }
   const size_t B = (size_t)max_batch_;
   x_.resize(B * c_.dim);
@@ -81,7 +101,11 @@ CpuBackend::CpuBackend(const Model& model, const BackendOptions& opts)
   v_.resize(B * c_.kv_dim());
   gate_.resize(B * c_.ffn_dim);
   up_.resize(B * c_.ffn_dim);
-  scores_.resize((size_t)pool_.size() * n_ctx_);
+  const size_t nt = (size_t)pool_.size();
+  scores_.resize(nt * n_ctx_);
+  qconv_.resize(nt * c_.head_dim());
+  vrow_.resize(nt * c_.head_dim());
+  qact_.resize(nt * std::max<size_t>(dtype_row_bytes(DType::Q8_0, 32) * ((c_.head_dim() + 31) / 32), 64));
 }
 
 void CpuBackend::validate(const Batch& batch) const {
@@ -173,29 +197,72 @@ void CpuBackend::attention_block(int layer, const Batch& batch) {
     float* k = &k_[t * kv_dim];
     kernels::rope_inplace(q, c_.n_heads, hd, c_.rot_dims(), batch.pos[t], c_.rope_theta);
     kernels::rope_inplace(k, c_.n_kv_heads, hd, c_.rot_dims(), batch.pos[t], c_.rope_theta);
-    std::memcpy(k_at(layer, batch.seq[t], batch.pos[t]), k, kv_dim * sizeof(float));
-    std::memcpy(v_at(layer, batch.seq[t], batch.pos[t]), &v_[t * kv_dim], kv_dim * sizeof(float));
+    store_kv_row(k, k_at(layer, batch.seq[t], batch.pos[t]));
+    store_kv_row(&v_[t * kv_dim], v_at(layer, batch.seq[t], batch.pos[t]));
   }
   const int64_t work = n * c_.n_heads;
   pool_.run([&](int ti, int nt) {
-    float* scores = &scores_[(size_t)ti * n_ctx_];
-    for (int64_t i = work * ti / nt; i < work * (ti + 1) / nt; ++i) attend(layer, batch, i / c_.n_heads, i % c_.n_heads, scores);
+    for (int64_t i = work * ti / nt; i < work * (ti + 1) / nt; ++i) attend(layer, batch, i / c_.n_heads, i % c_.n_heads, ti);
   });
   matmul(att_.data(), n, q_dim_, {{&w.wo, tmp_.data()}});
   kt_.add(x_.data(), tmp_.data(), x_.data(), n * c_.dim);
 }
 
-void CpuBackend::attend(int layer, const Batch& batch, int64_t t, int64_t head, float* scores) {
+void CpuBackend::store_kv_row(const float* src, uint8_t* dst) {
+  const int64_t n = c_.kv_dim();
+  switch (kv_type_) {
+    case DType::F32: std::memcpy(dst, src, (size_t)n * sizeof(float)); break;
+    case DType::F16: {
+      uint16_t* h = reinterpret_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) h[i] = f32_to_fp16(src[i]);
+      break;
+    }
+    default: kernels::quant_quantize_row(kv_type_, src, dst, n); break;
+  }
+}
+
+void CpuBackend::attend(int layer, const Batch& batch, int64_t t, int64_t head, int thread) {
   const int64_t hd = c_.head_dim();
   const int64_t kv_head = head / (c_.n_heads / c_.n_kv_heads);
   const int seq = batch.seq[t], n_pos = batch.pos[t] + 1;
+  float* scores = &scores_[(size_t)thread * n_ctx_];
   const float* q = &q_[t * q_dim_ + head * hd];
+
+  // Scores: the cached K rows of this head form a (n_pos × hd) matrix with a full-row stride.
+  const void* x = q;
+  size_t x_bytes = (size_t)hd * sizeof(float);
+  if (kv_type_ == DType::F16) {
+    float* qr = &qconv_[(size_t)thread * hd];
+    for (int64_t i = 0; i < hd; ++i) qr[i] = fp16_to_f32(f32_to_fp16(q[i]));
+    x = qr;
+  } else if (kv_type_ != DType::F32) {
+    uint8_t* qa = &qact_[(size_t)thread * (qact_.size() / pool_.size())];
+    score_kernel_->quantize_act(q, 1, hd, qa);
+    x = qa;
+    x_bytes = dtype_row_bytes(score_kernel_->act_type, (uint64_t)hd);
+  }
+  const uint8_t* k0 = k_at(layer, seq, 0) + (size_t)kv_head * kv_head_bytes_;
+  score_kernel_->rows(k0, kv_row_bytes_, 0, n_pos, x, x_bytes, 1, hd, scores, n_pos);
   const float scale = 1.0f / std::sqrt((float)hd);
-  for (int p = 0; p < n_pos; ++p) scores[p] = kt_.dot(q, k_at(layer, seq, p) + kv_head * hd, hd) * scale;
+  for (int p = 0; p < n_pos; ++p) scores[p] *= scale;
   kt_.softmax(scores, n_pos);
+
   float* out = &att_[t * q_dim_ + head * hd];
   std::fill(out, out + hd, 0.0f);
-  for (int p = 0; p < n_pos; ++p) kt_.axpy(scores[p], v_at(layer, seq, p) + kv_head * hd, out, hd);
+  for (int p = 0; p < n_pos; ++p) {
+    const uint8_t* v = v_at(layer, seq, p) + (size_t)kv_head * kv_head_bytes_;
+    switch (kv_type_) {
+      case DType::F32: kt_.axpy(scores[p], reinterpret_cast<const float*>(v), out, hd); break;
+      case DType::F16:
+        kt_.axpy_f16(fp16_to_f32(f32_to_fp16(scores[p])), reinterpret_cast<const uint16_t*>(v), out, hd);
+        break;
+      default: {
+        float* row = &vrow_[(size_t)thread * hd];
+        kernels::dequantize_row(kv_type_, v, row, hd);
+        kt_.axpy(scores[p], row, out, hd);
+      }
+    }
+  }
 }
 
 void CpuBackend::ffn_block(int layer, int64_t n) {
@@ -219,6 +286,13 @@ void CpuBackend::output_head(const Batch& batch, float* logits) {
 }
 
 }  // namespace
+
+DType parse_kv_type(const std::string& name) {
+  if (name == "f32") return DType::F32;
+  if (name == "f16") return DType::F16;
+  if (name == "q8_0") return DType::Q8_0;
+  fail("KV cache type must be f32, f16 or q8_0 (got '", name, "')");
+}
 
 std::unique_ptr<Backend> make_cpu_backend(const Model& model, const BackendOptions& opts) {
   return std::make_unique<CpuBackend>(model, opts);

@@ -153,7 +153,7 @@ function merlin(args) {
     return {status: r.status, stdout: r.stdout ?? Buffer.alloc(0), stderr: r.stderr?.toString() ?? String(r.error ?? "")};
 }
 function merlinGreedy(modelPath, promptArgs, n, extra = ["--output-ids"]) {
-    const r = merlin(["run", "-m", modelPath, ...promptArgs, "-n", String(n), "--temp", "0", "--ignore-eos", "-t", "1", ...extra]);
+    const r = merlin(["run", "-m", modelPath, ...promptArgs, "-n", String(n), "--temp", "0", "--ignore-eos", "--kv-type", "f32", "-t", "1", ...extra]);
     if (r.status !== 0) throw new Error(`merlin run ${promptArgs.join(" ")} failed (exit ${r.status}): ${r.stderr.trim()}`);
     return r;
 }

@@ -196,7 +196,7 @@ def main():
         for extra in ([], ["--no-kv-cache"]):
             label = "greedy" + (" --no-kv-cache" if extra else "")
             argv = [a.merlin, "run", "-m", a.model, "--prompt-ids", ",".join(map(str, prompt)), "-n", str(gen),
-                    "--temp", "0", "--output-ids", "-t", str(a.threads)] + extra
+                    "--temp", "0", "--output-ids", "--kv-type", "f32", "-t", str(a.threads)] + extra
             try:
                 out, dt = run_cmd(argv, a.timeout)
                 try:

@@ -103,6 +103,23 @@ TEST_P(OpsLevelTest, DotAxpyAdd) {
   }
 }
 
+TEST_P(OpsLevelTest, AxpyF16) {
+  SKIP_IF_UNAVAILABLE(GetParam());
+  for (int64_t n : kSizes) {
+    SCOPED_TRACE("n=" + std::to_string(n));
+    std::vector<float> a = random_vec(n, -1, 1, rng), y0 = random_vec(n, -1, 1, rng);
+    std::vector<uint16_t> h((size_t)n);
+    for (int64_t i = 0; i < n; ++i) h[i] = f32_to_fp16(a[i]);
+    std::vector<float> y1 = y0, y2 = y0;
+    ref().axpy_f16(-0.5f, h.data(), y1.data(), n);
+    table().axpy_f16(-0.5f, h.data(), y2.data(), n);
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_NEAR(y1[i], y0[i] - 0.5f * fp16_to_f32(h[i]), 1e-6f) << i;
+      ASSERT_NEAR(y2[i], y1[i], 1e-6f) << i;
+    }
+  }
+}
+
 TEST_P(OpsLevelTest, Softmax) {
   SKIP_IF_UNAVAILABLE(GetParam());
   for (int64_t n : kSizes) {

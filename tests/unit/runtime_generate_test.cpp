@@ -23,6 +23,7 @@ std::string read_text(const std::string& path) {
 std::string llama2c_greedy(const Model& m, const std::string& prompt, int steps) {
   BackendOptions bo;
   bo.n_threads = 2;
+  bo.kv_type = DType::F32;  // llama2.c computes attention in fp32
   auto backend = make_cpu_backend(m, bo);
   const Tokenizer& tok = m.tokenizer();
   std::vector<int32_t> ids = {tok.bos_id()};

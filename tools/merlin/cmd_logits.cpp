@@ -13,7 +13,7 @@ namespace merlin::cli {
 namespace {
 
 struct LogitsArgs {
-  std::string model, tokens, out, mode = "prefill";
+  std::string model, tokens, out, mode = "prefill", kv_type = "f32";
   int threads = 0;
 };
 
@@ -23,6 +23,7 @@ int logits(const LogitsArgs& a) {
   MERLIN_CHECK(!ids.empty(), "--tokens is empty");
   BackendOptions bo;
   bo.n_threads = a.threads;
+  bo.kv_type = parse_kv_type(a.kv_type);
   auto backend = make_cpu_backend(*model, bo);
   const size_t vocab = (size_t)model->config().vocab_size;
   std::vector<float> out;
@@ -59,6 +60,7 @@ Action add_logits(CLI::App& app) {
   app.add_option("-o,--output", a->out, "output file (float32 [n_tokens][vocab])")->required();
   app.add_option("--mode", a->mode, "prefill (one batch) | decode (one token at a time, KV cache) | nocache");
   app.add_option("-t,--threads", a->threads, "threads");
+  app.add_option("--kv-type", a->kv_type, "KV cache type: f32 (default here: exact fp32) | f16 | q8_0");
   return [a] { return logits(*a); };
 }
 

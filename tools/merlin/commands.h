@@ -15,6 +15,11 @@ Action add_run(CLI::App& app);
 Action add_info(CLI::App& app);
 Action add_init(CLI::App& app);
 Action add_logits(CLI::App& app);
+Action add_tokenize(CLI::App& app);
+Action add_prepare(CLI::App& app);  // training: cmd_prepare/train/export/plot.cpp
+Action add_train(CLI::App& app);
+Action add_export(CLI::App& app);
+Action add_plot(CLI::App& app);
 
 // "1,2,3" -> {1,2,3}; throws merlin::Error on anything else.
 std::vector<int32_t> parse_id_list(const std::string& s);

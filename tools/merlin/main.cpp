@@ -17,6 +17,11 @@ int main(int argc, char** argv) {
   add("info", "print a GGUF file's metadata, tensors and parameter count", merlin::cli::add_info);
   add("init", "write a randomly initialised model", merlin::cli::add_init);
   add("logits", "write the logits of a token sequence (for testing against references)", merlin::cli::add_logits);
+  add("tokenize", "print the token ids of a text", merlin::cli::add_tokenize);
+  add("prepare", "tokenize text files into training shards", merlin::cli::add_prepare);
+  add("train", "train a model from scratch (or resume a checkpoint)", merlin::cli::add_train);
+  add("export", "convert a training checkpoint to a GGUF model", merlin::cli::add_export);
+  add("plot", "plot train/validation loss from metrics.jsonl as SVG", merlin::cli::add_plot);
 
   try {
     app.parse(argc, argv);

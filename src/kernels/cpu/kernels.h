@@ -40,6 +40,7 @@ struct KernelTable {
   void (*add)(const float* a, const float* b, float* out, int64_t n);  // out may alias a
   // In-place softmax over n values; returns nothing, input must be finite or -inf.
   void (*softmax)(float* x, int64_t n);
+  void (*axpy_f16)(float a, const uint16_t* x, float* y, int64_t n);  // y += a * x, x in IEEE half
 };
 
 const KernelTable& kernels_for(KernelLevel level);

@@ -36,7 +36,8 @@ enum ScratchSlot : int { kScratchPackedW = 0, kScratchWeightRow = 1, kScratchRop
   float dot(const float* a, const float* b, int64_t n);                            \
   void axpy(float a, const float* x, float* y, int64_t n);                         \
   void add(const float* a, const float* b, float* out, int64_t n);                 \
-  void softmax(float* x, int64_t n);
+  void softmax(float* x, int64_t n);                                               \
+  void axpy_f16(float a, const uint16_t* x, float* y, int64_t n);
 
 }  // namespace merlin::kernels::detail
 

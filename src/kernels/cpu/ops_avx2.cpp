@@ -97,6 +97,21 @@ void axpy(float a, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; i += 8) store(y + i, n - i, _mm256_fmadd_ps(av, load(x + i, n - i), load(y + i, n - i)));
 }
 
+void axpy_f16(float a, const uint16_t* x, float* y, int64_t n) {
+  const __m256 av = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 xv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i)));
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, xv, _mm256_loadu_ps(y + i)));
+  }
+  if (i < n) {
+    alignas(16) uint16_t tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t j = i; j < n; ++j) tail[j - i] = x[j];
+    const __m256 xv = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tail)));
+    store(y + i, n - i, _mm256_fmadd_ps(av, xv, load(y + i, n - i)));
+  }
+}
+
 void add(const float* a, const float* b, float* out, int64_t n) {
   for (int64_t i = 0; i < n; i += 8) store(out + i, n - i, _mm256_add_ps(load(a + i, n - i), load(b + i, n - i)));
 }

@@ -104,6 +104,15 @@ void axpy(float a, const float* x, float* y, int64_t n) {
   }
 }
 
+void axpy_f16(float a, const uint16_t* x, float* y, int64_t n) {
+  const __m512 av = _mm512_set1_ps(a);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 xv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, x + i));
+    _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(av, xv, _mm512_maskz_loadu_ps(m, y + i)));
+  }
+}
+
 void add(const float* a, const float* b, float* out, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = tail_mask(n - i);
