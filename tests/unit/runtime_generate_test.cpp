@@ -76,18 +76,23 @@ TEST(Stories260K, GreedyMatchesLlama2cEmptyPrompt) {
   EXPECT_EQ(llama2c_greedy(*m, "", 256), read_text(expected));
 }
 
-TEST(Forward, PrefillDecodeAndNoCacheAgree) {
-  MERLIN_REQUIRE_DATA(model_path, "models/tiny-llama-conformance/tiny-f32.gguf");
+// Prefill (GEMM kernels, chunked), decode (GEMV, one token at a time) and no-cache recomputation must give the
+// same logits: exactly up to fp32 reordering with an F32 cache; with F16/Q8_0 caches the rounding of cached
+// values and of q can flip on reordered sums, so the bound is that format's precision.
+void expect_paths_agree(DType kv_type, float rel_tol) {
+  SCOPED_TRACE(dtype_name(kv_type));
+  const std::string model_path = test::data_file("models/tiny-llama-conformance/tiny-f32.gguf");
   auto m = Model::load(model_path);
   BackendOptions bo;
   bo.n_threads = 2;
   bo.max_batch = 7;  // forces chunked prefill
+  bo.kv_type = kv_type;
   auto backend = make_cpu_backend(*m, bo);
   const std::vector<int32_t> ids = {1, 403, 407, 261, 378, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120};
   const size_t vocab = (size_t)m->config().vocab_size;
   const std::vector<float> all = prefill(*m, *backend, ids, 0, 0, true);
   ASSERT_EQ(all.size(), ids.size() * vocab);
-  const float tol = 1e-5f * max_abs(all);
+  const float tol = rel_tol * max_abs(all);
   std::vector<float> decode, nocache;
   for (size_t i = 0; i < ids.size(); ++i) {
     auto row = prefill(*m, *backend, {ids[i]}, 0, (int)i, false);
@@ -100,6 +105,30 @@ TEST(Forward, PrefillDecodeAndNoCacheAgree) {
     nocache.insert(nocache.end(), row.begin(), row.end());
   }
   EXPECT_LE(max_diff(all, nocache), tol);
+}
+
+TEST(Forward, PrefillDecodeAndNoCacheAgree) {
+  MERLIN_REQUIRE_DATA(model_path, "models/tiny-llama-conformance/tiny-f32.gguf");
+  expect_paths_agree(DType::F32, 1e-5f);
+  expect_paths_agree(DType::F16, 1e-3f);
+  expect_paths_agree(DType::Q8_0, 1e-2f);
+}
+
+TEST(Forward, KvCacheTypesStayCloseToF32) {
+  MERLIN_REQUIRE_DATA(model_path, "models/tiny-llama-conformance/tiny-f32.gguf");
+  auto m = Model::load(model_path);
+  const std::vector<int32_t> ids = {1, 403, 407, 261, 378, 10, 20, 30, 40, 50, 60, 70};
+  std::vector<float> ref;
+  for (DType kv : {DType::F32, DType::F16, DType::Q8_0}) {
+    BackendOptions bo;
+    bo.kv_type = kv;
+    auto backend = make_cpu_backend(*m, bo);
+    const std::vector<float> got = prefill(*m, *backend, ids, 0, 0, true);
+    if (kv == DType::F32) ref = got;
+    // Bounds: f16 keeps 11 significant bits, q8_0 about 8 per 32-element block.
+    const float rel = kv == DType::F32 ? 0.0f : kv == DType::F16 ? 2e-3f : 3e-2f;
+    EXPECT_LE(max_diff(got, ref), rel * max_abs(ref)) << dtype_name(kv);
+  }
 }
 
 TEST(Forward, SequencesInOneBatchMatchSeparateRuns) {
