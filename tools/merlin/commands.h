@@ -20,6 +20,9 @@ Action add_prepare(CLI::App& app);  // training: cmd_prepare/train/export/plot.c
 Action add_train(CLI::App& app);
 Action add_export(CLI::App& app);
 Action add_plot(CLI::App& app);
+Action add_quantize(CLI::App& app);  // quantization tools: cmd_quantize/perplexity/bench.cpp
+Action add_perplexity(CLI::App& app);
+Action add_bench(CLI::App& app);
 
 // "1,2,3" -> {1,2,3}; throws merlin::Error on anything else.
 std::vector<int32_t> parse_id_list(const std::string& s);

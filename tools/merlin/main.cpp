@@ -22,7 +22,26 @@ int main(int argc, char** argv) {
   add("train", "train a model from scratch (or resume a checkpoint)", merlin::cli::add_train);
   add("export", "convert a training checkpoint to a GGUF model", merlin::cli::add_export);
   add("plot", "plot train/validation loss from metrics.jsonl as SVG", merlin::cli::add_plot);
+  add("quantize", "convert a model's weights to another type (q8_0, q4_0, q4_k, ...)", merlin::cli::add_quantize);
+  add("perplexity", "perplexity of a model on a text file (llama-perplexity's method), optional KL to a base model", merlin::cli::add_perplexity);
+  add("bench", "tokens/s of prompt processing and generation, peak memory, memory bandwidth", merlin::cli::add_bench);
 
+  // CLI11 reports a misspelt command or a stray flag before the subcommand as "A subcommand is required";
+  // name the real problem instead.
+  if (argc > 1) {
+    const std::string first = argv[1];
+    const bool help = first == "-h" || first == "--help";
+    if (!help && first[0] == '-') {
+      std::fprintf(stderr, "error: unknown option '%s' (see 'merlin --help')\n", first.c_str());
+      return 2;
+    }
+    bool known = false;
+    for (const auto& [sub, action] : actions) known = known || sub->get_name() == first;
+    if (!help && !known) {
+      std::fprintf(stderr, "error: unknown command '%s' (see 'merlin --help')\n", first.c_str());
+      return 2;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
