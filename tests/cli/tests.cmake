@@ -26,3 +26,6 @@ foreach(_case IN LISTS _cli_cases)
   set_tests_properties(cli.${_case} PROPERTIES FIXTURES_REQUIRED merlin_cli_inputs TIMEOUT 120
     SKIP_RETURN_CODE 77 ENVIRONMENT "${_cli_env}" LABELS cli)
 endforeach()
+
+add_test(NAME cli.init_streaming COMMAND ${MERLIN_BASH} ${CMAKE_CURRENT_LIST_DIR}/init_streaming.sh $<TARGET_FILE:merlin>)
+set_tests_properties(cli.init_streaming PROPERTIES TIMEOUT 300 SKIP_RETURN_CODE 77 ENVIRONMENT "${_cli_env}" LABELS cli)

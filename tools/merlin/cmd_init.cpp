@@ -3,6 +3,7 @@
 
 #include "commands.h"
 #include "core/error.h"
+#include "core/sys.h"
 #include "model/init.h"
 #include "tokenizer/tokenizer.h"
 
@@ -39,6 +40,8 @@ int init(const InitArgs& a) {
   std::fprintf(stderr, "init: %s, %.2f M parameters, %s, seed %llu -> %s\n", a.preset.c_str(), c->n_params() / 1e6,
                a.type.c_str(), (unsigned long long)a.seed, a.out.c_str());
   write_random_model(*c, *tok, o, a.out);
+  // Streaming: memory stays at a few buffers whatever the model size; print it so that is checkable.
+  std::fprintf(stderr, "init: wrote %s, peak RSS %s\n", a.out.c_str(), format_bytes(peak_rss_bytes()).c_str());
   return 0;
 }
 
