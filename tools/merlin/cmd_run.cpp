@@ -15,7 +15,7 @@ namespace {
 struct RunArgs {
   std::string model, prompt, prompt_ids, kv_type = "f16";
   int n_predict = 128, threads = 0, ctx = 0;
-  bool no_kv_cache = false, output_ids = false, ignore_eos = false, no_echo = false;
+  bool no_kv_cache = false, output_ids = false, ignore_eos = false, no_echo = false, raw_pieces = false;
   SamplerOptions sampling;
 };
 
@@ -32,6 +32,16 @@ std::vector<int32_t> prompt_tokens(const Model& model, const RunArgs& a) {
   if (ids.empty()) ids.push_back(tok.bos_id() >= 0 ? tok.bos_id() : tok.eos_id());
   MERLIN_CHECK(!ids.empty() && ids[0] >= 0, "empty prompt and the model has no BOS/EOS token to start from");
   return ids;
+}
+
+// --raw-pieces prints what llama-cli prints: each token's piece as the vocabulary stores it (the space
+// SentencePiece prefixes to the first word after BOS is kept), written with printf("%s"), so a piece
+// holding a NUL byte (the <0x00> token) prints nothing from there on.
+std::string piece(const Tokenizer& tok, int32_t id, int32_t prev, bool raw) {
+  if (!raw) return tok.decode_token(id, prev);
+  constexpr int32_t kMidText = -2;  // any token but "start" or BOS: decode_token keeps the leading space
+  std::string s = tok.decode_token(id, kMidText);
+  return s.substr(0, s.find('\0'));
 }
 
 void print_bytes(const std::string& s) {
@@ -54,7 +64,7 @@ int run(const RunArgs& a) {
   int32_t prev = -1;
   if (!a.output_ids && !a.no_echo) {
     for (int32_t id : prompt) {
-      print_bytes(tok.decode_token(id, prev));
+      print_bytes(piece(tok, id, prev, a.raw_pieces));
       prev = id;
     }
   } else {
@@ -71,7 +81,7 @@ int run(const RunArgs& a) {
       std::printf(first ? "%d" : " %d", id);
       std::fflush(stdout);
     } else {
-      print_bytes(tok.decode_token(id, prev));
+      print_bytes(piece(tok, id, prev, a.raw_pieces));
     }
     first = false;
     prev = id;
@@ -111,6 +121,7 @@ Action add_run(CLI::App& app) {
   app.add_flag("--ignore-eos", a->ignore_eos, "keep generating after end-of-text");
   app.add_flag("--no-echo", a->no_echo, "do not print the prompt");
   app.add_flag("--output-ids", a->output_ids, "print generated token ids instead of text");
+  app.add_flag("--raw-pieces", a->raw_pieces, "print token pieces exactly as llama-cli does (keeps the prompt's leading space)");
   return [a] { return run(*a); };
 }
 

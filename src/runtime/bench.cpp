@@ -1,0 +1,109 @@
+#include "runtime/bench.h"
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "core/sys.h"
+#include "runtime/backend.h"
+#include "runtime/generate.h"
+#include "runtime/model.h"
+
+namespace merlin {
+namespace {
+
+void summarize(BenchTest& t) {
+  double s = 0;
+  for (double x : t.tps) s += x;
+  t.mean = t.tps.empty() ? 0 : s / (double)t.tps.size();
+  double v = 0;
+  for (double x : t.tps) v += (x - t.mean) * (x - t.mean);
+  t.sd = t.tps.size() > 1 ? std::sqrt(v / (double)(t.tps.size() - 1)) : 0;
+  std::vector<double> sorted = t.tps;
+  std::sort(sorted.begin(), sorted.end());
+  const size_t n = sorted.size();
+  t.median = n == 0 ? 0 : n % 2 ? sorted[n / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2;
+}
+
+std::vector<int32_t> random_tokens(const Model& m, int n, uint64_t seed) {
+  Rng rng(seed);
+  std::vector<int32_t> ids((size_t)n);
+  for (int32_t& id : ids) id = (int32_t)(rng.next_u64() % (uint64_t)m.config().vocab_size);
+  return ids;
+}
+
+double run_pp(const Model& m, Backend& b, const std::vector<int32_t>& tokens) {
+  b.clear_sequence(0);
+  const double t0 = now_seconds();
+  prefill(m, b, tokens, 0, 0, false);
+  return (double)tokens.size() / (now_seconds() - t0);
+}
+
+double run_tg(const Model& m, Backend& b, const std::vector<int32_t>& tokens, bool kv_cache) {
+  std::vector<float> logits((size_t)m.config().vocab_size);
+  Batch batch;
+  b.clear_sequence(0);
+  const double t0 = now_seconds();
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (kv_cache) {
+      batch.clear();
+      batch.add(tokens[i], (int)i, 0, true);
+      b.forward(batch, logits.data());
+    } else {
+      b.clear_sequence(0);
+      prefill(m, b, std::vector<int32_t>(tokens.begin(), tokens.begin() + (long)i + 1), 0, 0, false);
+    }
+  }
+  return (double)tokens.size() / (now_seconds() - t0);
+}
+
+}  // namespace
+
+uint64_t weight_bytes_per_token(const Model& model) {
+  uint64_t n = 0;
+  const bool tied = model.file().find_tensor("output.weight") == nullptr;
+  for (const auto& t : model.file().tensors())
+    if (tied || t.name != "token_embd.weight") n += t.n_bytes;
+  return n;
+}
+
+std::vector<BenchTest> bench_model(const Model& model, const BenchOptions& o) {
+  const int ctx_needed = std::max(o.n_prompt, o.n_gen);
+  MERLIN_CHECK(ctx_needed <= model.config().context_length, "a test of ", ctx_needed,
+               " tokens does not fit in the model's context of ", model.config().context_length,
+               " tokens (use smaller -p / -n)");
+  BackendOptions bo;
+  bo.n_threads = o.n_threads;
+  bo.n_ctx = std::max(1, ctx_needed);
+  bo.max_batch = std::max(1, std::min(o.n_batch, std::max(o.n_prompt, o.kv_cache ? 1 : o.n_gen)));
+  bo.kv_type = o.kv_type;
+  auto backend = make_cpu_backend(model, bo);
+  std::vector<BenchTest> out;
+  auto measure = [&](const std::string& name, int np, int ng, const std::function<double()>& once) {
+    BenchTest t;
+    t.name = name;
+    t.n_prompt = np;
+    t.n_gen = ng;
+    once();  // warm-up
+    for (int r = 0; r < std::max(1, o.reps); ++r) {
+      t.tps.push_back(once());
+      if (o.log) o.log(cat(name, " run ", r + 1, "/", o.reps, ": ", (int)t.tps.back(), " t/s"));
+    }
+    summarize(t);
+    out.push_back(t);
+  };
+  if (o.n_prompt > 0) {
+    const std::vector<int32_t> toks = random_tokens(model, o.n_prompt, o.seed);
+    measure(cat("pp", o.n_prompt), o.n_prompt, 0, [&] { return run_pp(model, *backend, toks); });
+  }
+  if (o.n_gen > 0) {
+    std::vector<int32_t> toks = random_tokens(model, o.n_gen, o.seed + 1);
+    if (model.tokenizer().bos_id() >= 0) toks[0] = model.tokenizer().bos_id();
+    measure(cat("tg", o.n_gen), 0, o.n_gen, [&] { return run_tg(model, *backend, toks, o.kv_cache); });
+  }
+  return out;
+}
+
+}  // namespace merlin
