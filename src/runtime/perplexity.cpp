@@ -110,10 +110,10 @@ class ChunkRunner {
 
 }  // namespace
 
-std::vector<int32_t> perplexity_tokens(const Tokenizer& tok, const std::string& text) {
+std::vector<int32_t> perplexity_tokens(const Tokenizer& tok, const std::string& text, bool parse_special) {
   std::vector<int32_t> ids;
   if (tok.add_bos() && tok.bos_id() >= 0) ids.push_back(tok.bos_id());
-  const std::vector<int32_t> body = tok.encode(text, false);  // llama.cpp: parse_special = false
+  const std::vector<int32_t> body = tok.encode(text, parse_special);  // llama.cpp: parse_special = false
   ids.insert(ids.end(), body.begin(), body.end());
   return ids;
 }

@@ -47,7 +47,9 @@ struct PerplexityResult {
 };
 
 // The text's tokens as llama-perplexity makes them: BOS (when the vocabulary adds one), then the text.
-std::vector<int32_t> perplexity_tokens(const Tokenizer& tok, const std::string& text);
+// llama-perplexity encodes special-token text such as "<|endoftext|>" as ordinary text; with parse_special
+// it becomes the special token, which is how a model trained on separated documents saw it.
+std::vector<int32_t> perplexity_tokens(const Tokenizer& tok, const std::string& text, bool parse_special = false);
 
 // on_chunk(i, ppl_so_far) after chunk i (0-based) is scored. `base` may be null.
 PerplexityResult compute_perplexity(const Model& model, const std::vector<int32_t>& tokens,

@@ -17,7 +17,7 @@ namespace {
 struct PerplexityArgs {
   std::string model, text, kl_base, kv_type = "f16";
   int ctx = 512, batch = 2048, threads = 0, chunks = -1;
-  bool quiet = false;
+  bool quiet = false, special = false;
 };
 
 std::string read_text(const std::string& path) {
@@ -46,7 +46,7 @@ int perplexity(const PerplexityArgs& a) {
   auto model = Model::load(a.model);
   std::unique_ptr<Model> base;
   if (!a.kl_base.empty()) base = Model::load(a.kl_base);
-  const std::vector<int32_t> tokens = perplexity_tokens(model->tokenizer(), read_text(a.text));
+  const std::vector<int32_t> tokens = perplexity_tokens(model->tokenizer(), read_text(a.text), a.special);
   PerplexityOptions o;
   o.n_ctx = a.ctx;
   o.n_batch = a.batch;
@@ -79,6 +79,7 @@ Action add_perplexity(CLI::App& app) {
   app.add_option("--kl-base", a->kl_base, "reference model (e.g. the f32 original): report KL(base || model)");
   app.add_option("--kv-type", a->kv_type, "KV cache type: f32 | f16 | q8_0");
   app.add_flag("-q,--quiet", a->quiet, "no per-chunk progress");
+  app.add_flag("--special", a->special, "parse special-token text such as <|endoftext|> (llama-perplexity does not)");
   return [a] { return perplexity(*a); };
 }
 
