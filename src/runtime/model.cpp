@@ -1,5 +1,14 @@
 #include "runtime/model.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+
 #include "core/error.h"
 #include "kernels/cpu/kernels.h"
 
@@ -7,9 +16,67 @@ namespace merlin {
 
 namespace tn = tensor_names;
 
-std::unique_ptr<Model> Model::load(const std::string& path) {
+namespace {
+
+constexpr size_t kHugePage = size_t{2} << 20;
+
+uint64_t mem_available_bytes() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  uint64_t kib = 0;
+  while (f >> key >> kib) {
+    if (key == "MemAvailable:") return kib * 1024;
+    f.ignore(1 << 10, '\n');
+  }
+  return 0;
+}
+
+bool want_huge_pages(WeightMemory memory, uint64_t bytes) {
+  if (memory != WeightMemory::Auto) return memory == WeightMemory::HugePages;
+  if (const char* e = std::getenv("MERLIN_MMAP"); e != nullptr && std::strcmp(e, "1") == 0) return false;
+  // Leave room for the page cache, the KV cache and everything else: copy only up to half of what is free.
+  return bytes > 0 && bytes <= mem_available_bytes() / 2;
+}
+
+}  // namespace
+
+void Model::AnonDeleter::operator()(uint8_t* p) const {
+  if (p != nullptr) ::munmap(p, bytes);
+}
+
+// Reads the data section with pread (not through the map), so the copy is the only resident version.
+void Model::copy_weights_to_huge_pages() {
+  const uint64_t begin = file_->data_offset(), bytes = file_->file_size() - begin;
+  const size_t mapped = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+  void* p = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return;  // keep the weights in place
+  ::madvise(p, mapped, MADV_HUGEPAGE);
+  std::unique_ptr<uint8_t, AnonDeleter> copy(static_cast<uint8_t*>(p), AnonDeleter{mapped});
+  const int fd = ::open(file_->path().c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return;
+  uint64_t done = 0;
+  while (done < bytes) {
+    const ssize_t n = ::pread(fd, copy.get() + done, std::min<uint64_t>(bytes - done, 64 << 20), (off_t)(begin + done));
+    if (n <= 0) {
+      if (n < 0 && errno == EINTR) continue;
+      ::close(fd);
+      return;  // the file changed under us: keep the weights in place
+    }
+    done += (uint64_t)n;
+  }
+  ::close(fd);
+  ::mprotect(copy.get(), mapped, PROT_READ);
+  weights_copy_ = std::move(copy);
+}
+
+const uint8_t* Model::weight_ptr(const gguf::TensorInfo& t) const {
+  return weights_copy_ ? weights_copy_.get() + t.offset : t.data;  // offsets are relative to the data section
+}
+
+std::unique_ptr<Model> Model::load(const std::string& path, WeightMemory memory) {
   std::unique_ptr<Model> m(new Model());
   m->file_ = gguf::File::open(path);
+  if (want_huge_pages(memory, m->file_->file_size() - m->file_->data_offset())) m->copy_weights_to_huge_pages();
   try {
     m->config_ = ModelConfig::from_gguf(m->file_->metadata());
     const gguf::TensorInfo& embd = m->file_->tensor(tn::kTokenEmbd);
@@ -57,7 +124,7 @@ Weight Model::matrix(const std::string& name, int64_t rows, int64_t cols) const 
                ", which Merlin cannot compute with yet");
   Weight w;
   w.type = t.type;
-  w.data = t.data;
+  w.data = weight_ptr(t);
   w.rows = rows;
   w.cols = cols;
   w.row_bytes = dtype_row_bytes(t.type, (uint64_t)cols);
