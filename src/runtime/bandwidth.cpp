@@ -8,6 +8,8 @@
 #include <memory>
 #include <vector>
 
+#include <sys/mman.h>
+
 #include "core/cpu_features.h"
 #include "core/sys.h"
 #include "core/thread_pool.h"
@@ -48,8 +50,14 @@ uint64_t sum_scalar(const uint8_t* p, size_t n) {
 double read_bandwidth_gbps(int n_threads, size_t bytes, int reps) {
   n_threads = std::max(1, n_threads);
   bytes = std::max<size_t>(bytes / (256 * (size_t)n_threads), 1) * 256 * (size_t)n_threads;
-  std::unique_ptr<uint8_t, decltype(&std::free)> buf(static_cast<uint8_t*>(std::aligned_alloc(64, bytes)), &std::free);
-  if (!buf) return 0;
+  // The same kind of memory the weights live in (Model::load copies them into 2 MiB transparent huge pages),
+  // so the roofline compares like with like.
+  const size_t huge = size_t{2} << 20, mapped = (bytes + huge - 1) / huge * huge;
+  void* p = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return 0;
+  ::madvise(p, mapped, MADV_HUGEPAGE);
+  auto unmap = [mapped](uint8_t* q) { ::munmap(q, mapped); };
+  std::unique_ptr<uint8_t, decltype(unmap)> buf(static_cast<uint8_t*>(p), unmap);
   ThreadPool pool(n_threads);
   const size_t slice = bytes / (size_t)n_threads;
   // Each thread touches its own slice first, so pages are resident (and local to it) before timing.
