@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Median of N `merlin run` invocations: prompt t/s, generation t/s and peak RSS, with and without the KV cache.
-# Usage: bench/run_bench.sh [MODEL.gguf] [runs=5] [threads=2] [n_gen=128]
+# Usage: [KV_TYPE=f16|f32|q8_0] bench/run_bench.sh [MODEL.gguf] [runs=5] [threads=2] [n_gen=128]
 # Without MODEL it writes a random `base` F32 model into a temp dir first. Unsets OPENBLAS_CORETYPE for the
 # benchmarked commands only.
 set -euo pipefail
@@ -25,7 +25,7 @@ bench_mode() {  # $1 = label, rest = extra flags
   : >"$tmp/pp"; : >"$tmp/tg"; : >"$tmp/rss"
   for _ in $(seq "$runs"); do
     line=$(env -u OPENBLAS_CORETYPE "$merlin" run -m "$model" -p "$prompt" -n "$ngen" --temp 0 --ignore-eos \
-           -t "$threads" "$@" 2>&1 >/dev/null | grep '^\[merlin\]')
+           -t "$threads" --kv-type "${KV_TYPE:-f16}" "$@" 2>&1 >/dev/null | grep '^\[merlin\]')
     echo "$line" | sed -E 's/.*prompt: [0-9]+ tokens, ([0-9.]+) t\/s.*/\1/' >>"$tmp/pp"
     echo "$line" | sed -E 's/.*generation: [0-9]+ tokens, ([0-9.]+) t\/s.*/\1/' >>"$tmp/tg"
     echo "$line" | sed -E 's/.*peak RSS: ([0-9.]+ [KMG]iB).*/\1/' >>"$tmp/rss"
