@@ -24,6 +24,23 @@
 namespace merlin {
 namespace {
 
+// Activation scratch sized for the largest batch. Left uninitialised: large allocations come from fresh pages,
+// so a decode step that uses one row of a 512-row buffer keeps the rest out of the resident set.
+class Scratch {
+ public:
+  void resize(size_t n) {
+    p_.reset(new float[n]);
+    n_ = n;
+  }
+  float* data() { return p_.get(); }
+  float& operator[](size_t i) { return p_[i]; }
+  size_t size() const { return n_; }
+
+ private:
+  std::unique_ptr<float[]> p_;
+  size_t n_ = 0;
+};
+
 struct MatmulJob {
   const Weight* w;
   float* y;  // [n_tokens][w->rows]
@@ -63,7 +80,7 @@ class CpuBackend final : public Backend {
   const kernels::MatmulKernel* score_kernel_;  // q · K rows for the cache type
   // K/V cache per layer: [seq][pos][kv row], allocated untouched so unused context costs no RSS.
   std::vector<std::unique_ptr<uint8_t[]>> k_cache_, v_cache_;
-  std::vector<float> x_, xn_, q_, k_, v_, att_, gate_, up_, tmp_;
+  Scratch x_, xn_, q_, k_, v_, att_, gate_, up_, tmp_;
   std::vector<float> scores_, qconv_, vrow_;     // per-thread attention scratch
   std::vector<uint8_t> act_buf_, qact_;         // qact_: per-thread q in the score kernel's format
 };
