@@ -15,7 +15,7 @@ size=$(stat -c %s "$tmp/base.gguf")
 echo "base bf16: $size bytes written, peak RSS ${rss} MiB"
 [[ -n $rss ]] || { echo "FAIL: no peak RSS line in: $log"; exit 1; }
 awk -v r="$rss" 'BEGIN { exit !(r < 96) }' || { echo "FAIL: peak RSS $rss MiB is not bounded (limit 96 MiB)"; exit 1; }
-"$merlin" info "$tmp/base.gguf" | grep -q "parameters: 123551232" || { echo "FAIL: wrong parameter count"; exit 1; }
+"$merlin" info "$tmp/base.gguf" | grep "parameters: 123551232" >/dev/null || { echo "FAIL: wrong parameter count"; exit 1; }
 
 "$merlin" init --preset sanity --seed 9 -t 1 --vocab-dir "$vocab" -o "$tmp/a.gguf" 2>/dev/null
 "$merlin" init --preset sanity --seed 9 -t 2 --vocab-dir "$vocab" -o "$tmp/b.gguf" 2>/dev/null
