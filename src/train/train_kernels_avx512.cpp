@@ -1,10 +1,5 @@
 // AVX-512 inner loops of training (see train_kernels.h for the rules this file follows).
-// GCC 12's AVX-512 headers warn about their own self-initialised "undefined" vectors (fixed in GCC 13).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
+#include "kernels/cpu/simd_avx512.h"
 
 #include "train/train_kernels.h"
 
@@ -13,29 +8,8 @@
 namespace merlin::train::kern::avx512 {
 namespace {
 
-inline __mmask16 tail_mask(int64_t n) {
-  return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
-}
-
-// exp(x) within ~1 ulp (Cephes expf polynomial, vscalefps for 2^n); inputs below the smallest normal
-// result give 0, so -inf maps to exactly 0.
-inline __m512 exp_ps(__m512 x) {
-  const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 e = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  const __m512 out = _mm512_scalef_ps(e, n);
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654475f), _CMP_LT_OQ);
-  return _mm512_mask_mov_ps(out, tiny, _mm512_setzero_ps());
-}
+using simd512::tail_mask;
+using simd512::exp_ps;
 
 inline __m512 sigmoid_ps(__m512 g) {
   const __m512 one = _mm512_set1_ps(1.0f);
