@@ -11,23 +11,14 @@ namespace merlin::cli {
 namespace {
 
 struct InitArgs {
-  std::string preset = "sanity", out, type = "f32", vocab_dir;
+  ModelFlags model;
+  std::string out, type = "f32", vocab_dir;
   uint64_t seed = 0;
   int threads = 0;
-  int64_t dim = 0, layers = 0, heads = 0, kv_heads = 0, ffn = 0, ctx = 0;
-  bool untied = false;
 };
 
 int init(const InitArgs& a) {
-  std::optional<ModelConfig> c = preset(a.preset);
-  MERLIN_CHECK(c.has_value(), "unknown preset '", a.preset, "' (sanity, experiment, base, iphone, macbook)");
-  if (a.dim) c->dim = a.dim;
-  if (a.layers) c->n_layers = a.layers;
-  if (a.heads) c->n_heads = c->n_kv_heads = a.heads;
-  if (a.kv_heads) c->n_kv_heads = a.kv_heads;
-  if (a.ffn) c->ffn_dim = a.ffn;
-  if (a.ctx) c->context_length = a.ctx;
-  c->tied_embeddings = !a.untied;
+  std::optional<ModelConfig> c = model_from_flags(a.model);
   const std::optional<DType> type = dtype_from_name(a.type);
   MERLIN_CHECK(type && (*type == DType::F32 || *type == DType::F16 || *type == DType::BF16), "--type must be f32, f16 or bf16");
   const std::string dir = find_gpt2_vocab_dir(a.vocab_dir);
@@ -37,7 +28,7 @@ int init(const InitArgs& a) {
   o.seed = a.seed;
   o.type = *type;
   o.n_threads = a.threads;
-  std::fprintf(stderr, "init: %s, %.2f M parameters, %s, seed %llu -> %s\n", a.preset.c_str(), c->n_params() / 1e6,
+  std::fprintf(stderr, "init: %s, %.2f M parameters, %s, seed %llu -> %s\n", a.model.preset.c_str(), c->n_params() / 1e6,
                a.type.c_str(), (unsigned long long)a.seed, a.out.c_str());
   write_random_model(*c, *tok, o, a.out);
   // Streaming: memory stays at a few buffers whatever the model size; print it so that is checkable.
@@ -49,19 +40,12 @@ int init(const InitArgs& a) {
 
 Action add_init(CLI::App& app) {
   auto a = std::make_shared<InitArgs>();
-  app.add_option("--preset", a->preset, "sanity | experiment | base | iphone | macbook");
+  add_model_flags(app, a->model);
   app.add_option("--seed", a->seed, "random seed");
   app.add_option("-o,--output", a->out, "output GGUF file")->required();
   app.add_option("--type", a->type, "weight type: f32 | f16 | bf16");
   app.add_option("--vocab-dir", a->vocab_dir, "directory with GPT-2 encoder.json and vocab.bpe");
   app.add_option("-t,--threads", a->threads, "threads");
-  app.add_option("--dim", a->dim, "override: embedding size");
-  app.add_option("--layers", a->layers, "override: layers");
-  app.add_option("--heads", a->heads, "override: attention heads");
-  app.add_option("--kv-heads", a->kv_heads, "override: KV heads (GQA)");
-  app.add_option("--ffn", a->ffn, "override: feed-forward size");
-  app.add_option("--ctx", a->ctx, "override: context length");
-  app.add_flag("--untied", a->untied, "separate output head instead of tied embeddings");
   return [a] { return init(*a); };
 }
 

@@ -11,22 +11,14 @@ namespace {
 
 struct TrainArgs {
   train::TrainOptions o;
-  std::string preset = "sanity";
-  int64_t dim = 0, layers = 0, heads = 0, kv_heads = 0, ffn = 0, ctx = 0, vocab = 0;
-  bool untied = false, quiet = false;
+  ModelFlags model;
+  int64_t vocab = 0;
+  bool quiet = false;
   double min_lr = -1;
 };
 
 ModelConfig model_config(const TrainArgs& a) {
-  std::optional<ModelConfig> c = preset(a.preset);
-  MERLIN_CHECK(c.has_value(), "unknown preset '", a.preset, "' (sanity, experiment, base, iphone, macbook)");
-  if (a.dim) c->dim = a.dim;
-  if (a.layers) c->n_layers = a.layers;
-  if (a.heads) c->n_heads = c->n_kv_heads = a.heads;
-  if (a.kv_heads) c->n_kv_heads = a.kv_heads;
-  if (a.ffn) c->ffn_dim = a.ffn;
-  if (a.ctx) c->context_length = a.ctx;
-  c->tied_embeddings = !a.untied;
+  std::optional<ModelConfig> c = model_from_flags(a.model);
   if (a.vocab) {
     c->vocab_size = a.vocab;
   } else {  // the tokenizer's, as recorded by `merlin prepare`
@@ -56,15 +48,8 @@ Action add_train(CLI::App& app) {
   auto a = std::make_shared<TrainArgs>();
   train::TrainOptions& o = a->o;
   o.seq = 0;  // default: min(256, context), decided once the model is known
-  app.add_option("--preset", a->preset, "model: sanity | experiment | base | iphone | macbook");
-  app.add_option("--dim", a->dim, "override: embedding size");
-  app.add_option("--layers", a->layers, "override: layers");
-  app.add_option("--heads", a->heads, "override: attention heads");
-  app.add_option("--kv-heads", a->kv_heads, "override: KV heads (GQA)");
-  app.add_option("--ffn", a->ffn, "override: feed-forward size");
-  app.add_option("--ctx", a->ctx, "override: context length");
+  add_model_flags(app, a->model);
   app.add_option("--vocab", a->vocab, "override: vocabulary size (default: the tokenizer's)")->group("");
-  app.add_flag("--untied", a->untied, "separate output head instead of tied embeddings");
   app.add_option("--data", o.data, "train shard, or a directory from 'merlin prepare'")->required();
   app.add_option("--val", o.val, "validation shard or directory (default: val-*.tok beside --data)");
   app.add_option("-o,--out", o.out_dir, "output directory: metrics.jsonl and checkpoints")->required();

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "model/config.h"
+
 namespace merlin::cli {
 
 using Action = std::function<int()>;
@@ -23,6 +25,15 @@ Action add_plot(CLI::App& app);
 Action add_quantize(CLI::App& app);  // quantization tools: cmd_quantize/perplexity/bench.cpp
 Action add_perplexity(CLI::App& app);
 Action add_bench(CLI::App& app);
+
+// Model shape flags shared by `init` and `train`: a preset plus optional overrides.
+struct ModelFlags {
+  std::string preset = "sanity";
+  int64_t dim = 0, layers = 0, heads = 0, kv_heads = 0, ffn = 0, ctx = 0;
+  bool untied = false;
+};
+void add_model_flags(CLI::App& app, ModelFlags& f);
+ModelConfig model_from_flags(const ModelFlags& f);  // throws merlin::Error on an unknown preset
 
 // "1,2,3" -> {1,2,3}; throws merlin::Error on anything else.
 std::vector<int32_t> parse_id_list(const std::string& s);

@@ -6,6 +6,30 @@
 
 namespace merlin::cli {
 
+void add_model_flags(CLI::App& app, ModelFlags& f) {
+  app.add_option("--preset", f.preset, "model: sanity | experiment | base | iphone | macbook");
+  app.add_option("--dim", f.dim, "override: embedding size");
+  app.add_option("--layers", f.layers, "override: layers");
+  app.add_option("--heads", f.heads, "override: attention heads");
+  app.add_option("--kv-heads", f.kv_heads, "override: KV heads (GQA)");
+  app.add_option("--ffn", f.ffn, "override: feed-forward size");
+  app.add_option("--ctx", f.ctx, "override: context length");
+  app.add_flag("--untied", f.untied, "separate output head instead of tied embeddings");
+}
+
+ModelConfig model_from_flags(const ModelFlags& f) {
+  std::optional<ModelConfig> c = preset(f.preset);
+  MERLIN_CHECK(c.has_value(), "unknown preset '", f.preset, "' (sanity, experiment, base, iphone, macbook)");
+  if (f.dim) c->dim = f.dim;
+  if (f.layers) c->n_layers = f.layers;
+  if (f.heads) c->n_heads = c->n_kv_heads = f.heads;
+  if (f.kv_heads) c->n_kv_heads = f.kv_heads;
+  if (f.ffn) c->ffn_dim = f.ffn;
+  if (f.ctx) c->context_length = f.ctx;
+  c->tied_embeddings = !f.untied;
+  return *c;
+}
+
 std::vector<int32_t> parse_id_list(const std::string& s) {
   std::vector<int32_t> ids;
   size_t i = 0;
