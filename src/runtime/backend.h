@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,12 @@ struct BackendOptions {
   // K/V cache element type: F16 (default, as llama.cpp), F32 (exact fp32 attention, used by the parity
   // tests) or Q8_0 (half the memory of F16 again; needs a head size that is a multiple of 32).
   DType kv_type = DType::F16;
+  // Paged K/V cache: n_kv_blocks blocks of kv_block_size positions each, shared by all sequences; a block
+  // table per sequence maps its logical block i (positions i*B .. i*B+B-1) to a physical block.
+  // n_kv_blocks == 0: every sequence gets its own fixed range of ceil(n_ctx / B) blocks (identity tables),
+  // which is what generate(), perplexity and bench use; the server's block allocator sets tables itself.
+  int kv_block_size = 16;
+  int n_kv_blocks = 0;
 };
 
 // "f32" | "f16" | "q8_0" -> DType; throws merlin::Error otherwise.
@@ -59,8 +66,21 @@ class Backend {
   virtual void forward(const Batch& batch, float* logits) = 0;
   // Forgets everything cached for a sequence (the next token of it starts at position 0).
   virtual void clear_sequence(int seq) = 0;
+
+  // Paged K/V cache (see BackendOptions). A forward step may only touch positions of a sequence whose
+  // logical block is mapped. Several sequences may map the same physical block (prefix caching) provided
+  // none of them writes into it. set_block_table replaces the sequence's whole table; blocks are indices
+  // in [0, n_kv_blocks()). Cached K/V live in the physical block, so remapping copies nothing.
+  virtual int kv_block_size() const = 0;
+  virtual int n_kv_blocks() const = 0;
+  virtual void set_block_table(int seq, std::span<const int32_t> blocks) = 0;
+  // Bytes of K/V cache per block (all layers, K and V): what a block costs, for logs and metrics.
+  virtual size_t kv_block_bytes() const = 0;
 };
 
 std::unique_ptr<Backend> make_cpu_backend(const Model& model, const BackendOptions& opts);
+
+// "cpu" or "cuda" (when built with MERLIN_CUDA and a GPU is present); throws merlin::Error otherwise.
+std::unique_ptr<Backend> make_backend(const std::string& device, const Model& model, const BackendOptions& opts);
 
 }  // namespace merlin

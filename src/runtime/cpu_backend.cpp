@@ -55,6 +55,11 @@ class CpuBackend final : public Backend {
   int n_seq() const override { return n_seq_; }
   void forward(const Batch& batch, float* logits) override;
   void clear_sequence(int /*seq*/) override {}  // positions are overwritten; nothing to free
+  // Until the paged cache lands, each sequence owns one block spanning the whole context.
+  int kv_block_size() const override { return n_ctx_; }
+  int n_kv_blocks() const override { return n_seq_; }
+  void set_block_table(int, std::span<const int32_t>) override { fail("the CPU backend has no paged KV cache yet"); }
+  size_t kv_block_bytes() const override { return 2 * (size_t)c_.n_layers * n_ctx_ * kv_row_bytes_; }
 
  private:
   void validate(const Batch& batch) const;

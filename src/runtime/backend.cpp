@@ -1,0 +1,24 @@
+#include "runtime/backend.h"
+
+#include "core/error.h"
+
+namespace merlin {
+
+#ifdef MERLIN_HAVE_CUDA
+// Defined in src/kernels/cuda (built only with MERLIN_CUDA); throws merlin::Error when no GPU is present.
+std::unique_ptr<Backend> make_cuda_backend(const Model& model, const BackendOptions& opts);
+#endif
+
+std::unique_ptr<Backend> make_backend(const std::string& device, const Model& model, const BackendOptions& opts) {
+  if (device == "cpu") return make_cpu_backend(model, opts);
+  if (device == "cuda") {
+#ifdef MERLIN_HAVE_CUDA
+    return make_cuda_backend(model, opts);
+#else
+    fail("this build of Merlin has no CUDA backend (configure with -DMERLIN_CUDA=ON and nvcc on PATH)");
+#endif
+  }
+  fail("unknown device '", device, "' (expected cpu or cuda)");
+}
+
+}  // namespace merlin

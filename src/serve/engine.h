@@ -1,0 +1,106 @@
+// The serving engine: iteration-level (continuous) batching over one Backend. A single engine thread owns
+// the backend; each step it advances every running sequence by one token and feeds chunks of waiting
+// prompts, in one forward() call. Requests arrive from any thread through submit(); their tokens come back
+// through a RequestStream that the HTTP handler (or a test) drains. The K/V cache is paged: a block
+// allocator hands out fixed-size blocks, a per-sequence block table maps them, and full blocks are kept in
+// a prefix cache keyed by their tokens so a repeated prompt prefix is not computed again.
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace merlin {
+class Backend;
+class Model;
+}  // namespace merlin
+
+namespace merlin::serve {
+
+struct SamplingParams {
+  float temperature = 1.0f;  // <= 0: greedy (argmax)
+  float top_p = 1.0f;        // >= 1: off
+  int top_k = 0;             // <= 0: off
+  float min_p = 0.0f;        // <= 0: off
+  float presence_penalty = 0.0f, frequency_penalty = 0.0f;  // OpenAI semantics, over generated tokens
+  std::optional<uint64_t> seed;  // absent: a random seed per request
+  int top_logprobs = -1;     // < 0: no logprobs; 0..20: the sampled token's log-probability plus this many alternatives
+};
+
+enum class FinishReason { None, Stop, Length, Cancelled, Error };
+const char* finish_reason_name(FinishReason r);  // "stop", "length", "cancelled", "error"
+
+struct TokenEvent {
+  int32_t token = -1;  // -1 on a final event that carries no token
+  float logprob = 0.0f;  // log-softmax of the unmodified logits (as OpenAI reports)
+  std::vector<std::pair<int32_t, float>> top_logprobs;  // most likely first
+  FinishReason finish = FinishReason::None;  // set on the last event of the request
+  std::string error;  // with FinishReason::Error
+};
+
+struct GenerationRequest {
+  std::string id;                 // for logs
+  std::vector<int32_t> prompt;    // at least one token
+  int max_tokens = 16;            // new tokens; submit() rejects prompt + max_tokens > n_ctx
+  SamplingParams sampling;
+  bool stop_at_eos = true;        // the model's EOS token ends the request with FinishReason::Stop
+};
+
+// One request's output. The engine thread pushes, one consumer pops; cancel() may be called from any thread.
+class RequestStream {
+ public:
+  virtual ~RequestStream() = default;
+  // Waits up to `timeout` for the next event; false when none arrived in time.
+  virtual bool next(TokenEvent& event, std::chrono::milliseconds timeout) = 0;
+  // The consumer is gone (client disconnected, stop string seen): the engine drops the sequence and frees
+  // its blocks before its next step; a final event with FinishReason::Cancelled follows.
+  virtual void cancel() = 0;
+  virtual int n_prompt() const = 0;
+  virtual int n_cached_prompt() const = 0;  // prompt tokens served from the prefix cache (valid once the first token arrived)
+};
+
+struct EngineOptions {
+  int max_sequences = 32;      // sequences in flight at once (backend sequence slots)
+  int max_queue = 256;         // requests waiting for a slot or blocks; beyond it submit() throws QueueFull
+  int prefill_chunk = 256;     // most prompt tokens of one sequence in one step
+  int max_batch_tokens = 512;  // most tokens in one forward step (decode tokens first, then prefill chunks)
+  bool prefix_cache = true;
+};
+
+struct EngineStats {
+  uint64_t requests_finished = 0, prompt_tokens = 0, cached_prompt_tokens = 0, generated_tokens = 0;
+  uint64_t steps = 0, preemptions = 0;
+  int running = 0, waiting = 0;
+  int kv_blocks_total = 0, kv_blocks_free = 0, kv_blocks_cached = 0;  // cached: free but holding a reusable prefix
+  int kv_block_size = 0;
+  double generated_tokens_per_second = 0;  // over the last few seconds of steps
+};
+
+struct QueueFull : std::exception {
+  const char* what() const noexcept override { return "the request queue is full"; }
+};
+
+class Engine {
+ public:
+  // The backend must have been made with n_seq >= opts.max_sequences and a paged cache (n_kv_blocks > 0).
+  Engine(const Model& model, std::unique_ptr<Backend> backend, const EngineOptions& opts);
+  ~Engine();  // stops the engine thread; unfinished requests end with FinishReason::Cancelled
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Thread-safe. Throws merlin::Error for a request that can never run (empty prompt, too long for the
+  // context, max_tokens < 0) and QueueFull when the waiting queue is full.
+  std::shared_ptr<RequestStream> submit(GenerationRequest request);
+  EngineStats stats() const;
+  int n_ctx() const;
+  const Model& model() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace merlin::serve
