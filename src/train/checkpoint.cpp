@@ -105,7 +105,9 @@ void save_checkpoint(const std::string& path, const ModelConfig& c, const ParamL
   w.finish();
 }
 
-Checkpoint load_checkpoint(const std::string& path) {
+namespace {
+
+std::unique_ptr<gguf::File> open_checkpoint(const std::string& path) {
   MERLIN_CHECK(std::filesystem::is_regular_file(path), path, ": no such checkpoint");
   std::unique_ptr<gguf::File> f;
   try {
@@ -117,6 +119,11 @@ Checkpoint load_checkpoint(const std::string& path) {
   MERLIN_CHECK(md.contains(kPrefix + "version"), path, ": not a training checkpoint (a model? resume needs a .ckpt "
                                                        "written by 'merlin train')");
   MERLIN_CHECK(md.get_int(kPrefix + "version", 0) == kCheckpointVersion, path, ": unsupported checkpoint version");
+  return f;
+}
+
+Checkpoint read_header(const gguf::File& f, const std::string& path) {
+  const gguf::Metadata& md = f.metadata();
   Checkpoint ck;
   ck.config = ModelConfig::from_gguf(md);
   const gguf::Value* tied = md.find(kPrefix + "tied_embeddings");
@@ -132,7 +139,18 @@ Checkpoint load_checkpoint(const std::string& path) {
   const std::string hyper_prefix = kPrefix + "hyper.";
   for (const auto& [k, val] : md.entries())
     if (k.rfind(hyper_prefix, 0) == 0) s.hyper.emplace_back(k.substr(hyper_prefix.size()), val.as_double(k));
+  return ck;
+}
 
+}  // namespace
+
+Checkpoint read_checkpoint_header(const std::string& path) { return read_header(*open_checkpoint(path), path); }
+
+Checkpoint load_checkpoint(const std::string& path) {
+  const std::unique_ptr<gguf::File> f = open_checkpoint(path);
+  const gguf::Metadata& md = f->metadata();
+  Checkpoint ck = read_header(*f, path);
+  const TrainState& s = ck.state;
   const ParamLayout layout(ck.config);
   ck.params.resize(layout.total());
   ck.m.resize(layout.total());
@@ -178,6 +196,13 @@ std::string latest_checkpoint(const std::string& dir) {
     }
   }
   return best;
+}
+
+std::string resolve_checkpoint(const std::string& file_or_dir) {
+  if (!std::filesystem::is_directory(file_or_dir)) return file_or_dir;
+  std::string path = latest_checkpoint(file_or_dir);
+  MERLIN_CHECK(!path.empty(), "--resume ", file_or_dir, ": no ckpt-*.ckpt in this directory");
+  return path;
 }
 
 }  // namespace merlin::train

@@ -35,10 +35,14 @@ void save_checkpoint(const std::string& path, const ModelConfig& c, const ParamL
                      const float* params, const float* m, const float* v);
 // Throws merlin::Error for a file that is not a checkpoint, is damaged (checksum) or inconsistent.
 Checkpoint load_checkpoint(const std::string& path);
+// The model config and training state only (params, m and v left empty), without reading the tensors.
+Checkpoint read_checkpoint_header(const std::string& path);
 // Throws a clear error when a checkpoint's model differs from the one being trained.
 void check_same_model(const ModelConfig& ckpt, const ModelConfig& run, const std::string& path);
 // The checkpoint with the most steps in a directory ("" when none).
 std::string latest_checkpoint(const std::string& dir);
+// A checkpoint file itself, or a directory's latest; throws merlin::Error when a directory holds none.
+std::string resolve_checkpoint(const std::string& file_or_dir);
 std::string checkpoint_name(uint64_t step);  // "ckpt-000100.ckpt"
 
 }  // namespace merlin::train

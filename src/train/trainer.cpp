@@ -98,12 +98,7 @@ Trainer::Trainer(const TrainOptions& o)
                ") is shorter than one sequence of ", o.seq + 1, " tokens");
   fs::create_directories(o.out_dir);
   if (!o.resume.empty()) {
-    std::string path = o.resume;
-    if (fs::is_directory(path)) {
-      path = latest_checkpoint(path);
-      MERLIN_CHECK(!path.empty(), "--resume ", o.resume, ": no ckpt-*.ckpt in this directory");
-    }
-    resume_from(path);
+    resume_from(resolve_checkpoint(o.resume));
   } else {
     // Pruning and `--resume DIR` go by step numbers, so another run's checkpoints must not share the directory.
     MERLIN_CHECK(latest_checkpoint(o.out_dir).empty(), o.out_dir, " already holds checkpoints (",

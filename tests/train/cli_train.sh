@@ -17,7 +17,8 @@ VOCAB="$DATA/tokenizer/gpt2"
 TEXT="$DATA/text/tinystories/TinyStories-train.head2MiB.txt"
 
 CASES=(
-  e2e.export_and_run e2e.plot e2e.info_checkpoint e2e.resume_extends e2e.init_matches_merlin_init
+  e2e.export_and_run e2e.plot e2e.info_checkpoint e2e.resume_extends e2e.resume_without_flags
+  e2e.init_matches_merlin_init
   bad.prepare_empty bad.prepare_non_utf8 bad.prepare_bad_jsonl bad.train_data_too_small bad.train_wrong_config
   bad.train_corrupt_checkpoint bad.train_not_a_checkpoint bad.export_corrupt bad.plot_no_records
 )
@@ -94,6 +95,21 @@ case "$CASE" in
     grep -q "warning: steps" err.txt || fail "no warning about the changed --steps"
     [[ -f run2/ckpt-000008.ckpt ]] || fail "no checkpoint at step 8"
     [[ "$(grep -c '"loss"' run2/metrics.jsonl)" -eq 8 ]] || fail "metrics should have 8 train lines"
+    ;;
+  e2e.resume_without_flags)
+    # --resume alone takes the model and every hyperparameter from the checkpoint: resuming the setup run
+    # at step 3 must reproduce its steps 4..6 bit for bit.
+    "$MERLIN" train --data data --out run3 --resume run/ckpt-000003.ckpt -t 2 -q 2>err.txt || fail "resume"
+    if grep -q "warning" err.txt; then cat err.txt; fail "resume without flags warned about changed settings"; fi
+    losses() { python3 -c 'import json,sys
+for l in open(sys.argv[1]):
+    r = json.loads(l)
+    if "loss" in r and r["step"] > 3: print(r["step"], repr(r["loss"]))' "$1"; }
+    want="$(losses run/metrics.jsonl)"
+    got="$(losses run3/metrics.jsonl)"
+    echo "uninterrupted: $want"
+    echo "resumed:       $got"
+    [[ -n "$want" && "$want" == "$got" ]] || fail "resumed losses differ from the uninterrupted run"
     ;;
   e2e.init_matches_merlin_init)
     # Training starts from exactly the weights `merlin init` writes for the same seed and dimensions.

@@ -3,6 +3,7 @@
 
 #include "commands.h"
 #include "core/error.h"
+#include "train/checkpoint.h"
 #include "train/tokens.h"
 #include "train/trainer.h"
 
@@ -28,9 +29,49 @@ ModelConfig model_config(const TrainArgs& a) {
   return *c;
 }
 
-int run_train(TrainArgs& a) {
+bool given(const CLI::App& app, const char* flag) { return app.count(flag) > 0; }
+
+// A flag left out on --resume takes the value the run was started with, so `merlin train --data D --out DIR
+// --resume DIR` continues the original run (same model, schedule and data order) without repeating its flags.
+void adopt_hyperparameters(const CLI::App& app, const train::TrainState& s, TrainArgs& a) {
+  train::OptimConfig& p = a.o.optim;
+  for (const auto& [name, v] : s.hyper) {
+    auto take = [&](const char* key, const char* flag, auto& field) {
+      if (name == key && !given(app, flag)) field = static_cast<std::remove_reference_t<decltype(field)>>(v);
+    };
+    take("lr", "--lr", p.lr);
+    take("min_lr", "--min-lr", a.min_lr);
+    take("warmup", "--warmup", p.warmup);
+    take("steps", "--steps", p.steps);
+    take("batch", "--batch", a.o.batch);
+    take("seq", "--seq", a.o.seq);
+    take("accum", "--accum", a.o.accum);
+    take("weight_decay", "--weight-decay", p.weight_decay);
+    take("grad_clip", "--grad-clip", p.grad_clip);
+    take("beta1", "--beta1", p.beta1);
+    take("beta2", "--beta2", p.beta2);
+    take("eps", "--adam-eps", p.eps);
+    take("seed", "--seed", a.o.seed);
+    if (name == "decay_embeddings" && !given(app, "--decay-embeddings")) p.decay_embeddings = v != 0;
+  }
+}
+
+bool model_flags_given(const CLI::App& app) {
+  for (const char* f : {"--preset", "--dim", "--layers", "--heads", "--kv-heads", "--ffn", "--ctx", "--untied", "--vocab"})
+    if (given(app, f)) return true;
+  return false;
+}
+
+int run_train(const CLI::App& app, TrainArgs& a) {
   train::TrainOptions& o = a.o;
-  o.model = model_config(a);
+  std::optional<ModelConfig> resumed_model;
+  if (!o.resume.empty()) {
+    const train::Checkpoint ck = train::read_checkpoint_header(train::resolve_checkpoint(o.resume));
+    adopt_hyperparameters(app, ck.state, a);
+    if (!model_flags_given(app)) resumed_model = ck.config;
+  }
+  // Explicit model flags on a resume are checked against the checkpoint by the trainer.
+  o.model = resumed_model ? *resumed_model : model_config(a);
   if (o.seq == 0) o.seq = std::min<int64_t>(256, o.model.context_length);
   o.optim.min_lr = a.min_lr >= 0 ? a.min_lr : o.optim.lr / 10;
   o.progress = !a.quiet;
@@ -53,7 +94,8 @@ Action add_train(CLI::App& app) {
   app.add_option("--data", o.data, "train shard, or a directory from 'merlin prepare'")->required();
   app.add_option("--val", o.val, "validation shard or directory (default: val-*.tok beside --data)");
   app.add_option("-o,--out", o.out_dir, "output directory: metrics.jsonl and checkpoints")->required();
-  app.add_option("--resume", o.resume, "checkpoint to continue from (or a directory: its latest)");
+  app.add_option("--resume", o.resume,
+                 "checkpoint to continue from (or a directory: its latest); flags left out take the run's values");
   app.add_option("--steps", o.optim.steps, "optimizer steps")->capture_default_str();
   app.add_option("--batch", o.batch, "sequences per micro-batch")->capture_default_str();
   app.add_option("--seq", o.seq, "tokens per sequence (default: min(256, context))");
@@ -78,7 +120,7 @@ Action add_train(CLI::App& app) {
   app.add_option("-t,--threads", o.threads, "threads (default: all cores)");
   app.add_flag("-q,--quiet", a->quiet, "no progress output");
   app.add_option("--dump", o.dump_dir, "debug: dump weights, batches and gradients of every step")->group("");
-  return [a] { return run_train(*a); };
+  return [a, &app] { return run_train(app, *a); };
 }
 
 }  // namespace merlin::cli
