@@ -4,6 +4,7 @@
 //     of the model is read once per token.
 //   gemm/<level>/<type>/<rows>x<k>/tokens:T/threads:N  prefill; FLOPS counts 2*rows*k*T per iteration.
 // N > 1 splits rows over a merlin::ThreadPool the way the runtime does (64-row aligned chunks).
+#include <array>
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
@@ -111,6 +112,12 @@ void register_all() {
           benchmark::RegisterBenchmark(shape_name("gemm", s).c_str(), [s](benchmark::State& st) { run_matmul(st, s, false); })
               ->UseRealTime()
               ->Unit(benchmark::kMillisecond);
+        }
+        // A 32-sequence server decode step of the default model (d256 ffn1024): the output head's k and the FFN down's.
+        for (const auto& rk : {std::array<int64_t, 2>{8192, 256}, std::array<int64_t, 2>{256, 1024}}) {
+          const Shape s{level, type, rk[0], rk[1], 32, threads};
+          benchmark::RegisterBenchmark(shape_name("gemm", s).c_str(), [s](benchmark::State& st) { run_matmul(st, s, false); })
+              ->UseRealTime();
         }
       }
     }

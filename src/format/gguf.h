@@ -115,6 +115,12 @@ class File {
   const TensorInfo* find_tensor(const std::string& name) const;
   const TensorInfo& tensor(const std::string& name) const;  // throws "missing tensor 'x'"
 
+  // For a loader that has copied what it needs (RSS matters on small devices): replaces a metadata value by
+  // an empty array of the same element type (the key stays, so `contains` still answers), and drops the
+  // map's resident pages (later reads fault them in again from the file; no-op for parse()d buffers).
+  void release_metadata(const std::string& key);
+  void release_resident_pages() const;
+
  private:
   File() = default;
   void parse_all(const uint8_t* data, size_t size);

@@ -1,6 +1,8 @@
 // GGUF parsing. Every count, length and offset is checked against the bytes actually present before it
 // is used, so a hostile or truncated file produces a merlin::Error and never an out-of-bounds read or a
 // huge allocation.
+#include <sys/mman.h>
+
 #include <cstring>
 #include <limits>
 
@@ -114,6 +116,19 @@ std::unique_ptr<File> File::open(const std::string& path) {
   f->name_ = path;
   f->parse_all(f->map_.data(), f->map_.size());
   return f;
+}
+
+void File::release_metadata(const std::string& key) {
+  const Value* v = metadata_.find(key);
+  if (v == nullptr) return;
+  Array empty;
+  if (v->type() == ValueType::ARRAY) empty.type = v->as_array().type;
+  metadata_.set(key, Value(std::move(empty)));
+}
+
+void File::release_resident_pages() const {
+  if (map_.data() == nullptr || map_.size() == 0) return;
+  ::madvise(const_cast<uint8_t*>(map_.data()), map_.size(), MADV_DONTNEED);
 }
 
 std::unique_ptr<File> File::parse(const uint8_t* data, size_t size, const std::string& name) {

@@ -6,13 +6,21 @@
 // Matrix products are split over threads by output rows; the three projections sharing one input
 // (q/k/v, gate/up) run in one parallel section to keep synchronisation points per token low.
 //
-// The K/V cache stores rows of kv_dim elements in F32, F16 or Q8_0. Attention scores for one head are a
-// matrix-vector product of the cached K rows (a strided view: head offset, full-row stride) with q, done by
-// the same matmul kernel as the weights. With an F16 cache, q and the softmax weights are rounded to f16
-// first, which is what llama.cpp's CPU path computes, so greedy output matches it token for token.
+// The K/V cache stores rows of kv_dim elements in F32, F16 or Q8_0, in fixed-size blocks of kv_block_size
+// positions; a block table per sequence maps its logical blocks to physical ones (paged attention). Without
+// an explicit block count every sequence owns a contiguous range of blocks (identity tables). Attention
+// scores for one head are matrix-vector products of the cached K rows of each block (a strided view: head
+// offset, full-row stride) with q, done by the same matmul kernel as the weights. With an F16 cache, q and
+// the softmax weights are rounded to f16 first, which is what llama.cpp's CPU path computes, so greedy output
+// matches it token for token. Every step of a token's computation is independent of the other tokens in the
+// batch (the kernels are batch invariant), so a sequence's logits do not depend on what it is batched with.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <memory>
+#include <new>
 
 #include "core/error.h"
 #include "core/thread_pool.h"
@@ -24,12 +32,26 @@
 namespace merlin {
 namespace {
 
+// Uninitialised memory on a 64-byte boundary. malloc gives 16-byte alignment (a large block from mmap sits 16
+// bytes past a page), so whether the kernels' 512-bit loads of activations and K/V rows split cache lines
+// would depend on the heap's history: F32 prefill ran 10-15% faster or slower with unrelated allocations.
+template <typename T>
+struct AlignedFree {
+  void operator()(T* p) const { ::operator delete[](p, std::align_val_t{64}); }
+};
+template <typename T>
+using AlignedArray = std::unique_ptr<T[], AlignedFree<T>>;
+template <typename T>
+AlignedArray<T> aligned_array(size_t n) {
+  return AlignedArray<T>(static_cast<T*>(::operator new[](n * sizeof(T), std::align_val_t{64})));
+}
+
 // Activation scratch sized for the largest batch. Left uninitialised: large allocations come from fresh pages,
 // so a decode step that uses one row of a 512-row buffer keeps the rest out of the resident set.
 class Scratch {
  public:
   void resize(size_t n) {
-    p_.reset(new float[n]);
+    p_ = aligned_array<float>(n);
     n_ = n;
   }
   float* data() { return p_.get(); }
@@ -37,14 +59,22 @@ class Scratch {
   size_t size() const { return n_; }
 
  private:
-  std::unique_ptr<float[]> p_;
+  AlignedArray<float> p_;
   size_t n_ = 0;
 };
+
+// Tokens of one sequence whose attention scores are computed in one call of the score kernel: each K row
+// is loaded (and widened) once for all of them. 6 is the float kernels' widest token tile.
+constexpr int64_t kAttnGroup = 6;
 
 struct MatmulJob {
   const Weight* w;
   float* y;  // [n_tokens][w->rows]
 };
+
+// Writes batch token t's float input row of a product (k values) to `out`: how a fused product produces its
+// input one row at a time (RMSNorm, SwiGLU) instead of reading a materialised [n_tokens][k] buffer.
+using RowFn = std::function<void(int64_t t, float* out)>;
 
 class CpuBackend final : public Backend {
  public:
@@ -54,12 +84,11 @@ class CpuBackend final : public Backend {
   int max_batch() const override { return max_batch_; }
   int n_seq() const override { return n_seq_; }
   void forward(const Batch& batch, float* logits) override;
-  void clear_sequence(int /*seq*/) override {}  // positions are overwritten; nothing to free
-  // Until the paged cache lands, each sequence owns one block spanning the whole context.
-  int kv_block_size() const override { return n_ctx_; }
-  int n_kv_blocks() const override { return n_seq_; }
-  void set_block_table(int, std::span<const int32_t>) override { fail("the CPU backend has no paged KV cache yet"); }
-  size_t kv_block_bytes() const override { return 2 * (size_t)c_.n_layers * n_ctx_ * kv_row_bytes_; }
+  void clear_sequence(int seq) override;
+  int kv_block_size() const override { return block_size_; }
+  int n_kv_blocks() const override { return n_blocks_; }
+  void set_block_table(int seq, std::span<const int32_t> blocks) override;
+  size_t kv_block_bytes() const override { return 2 * (size_t)c_.n_layers * block_size_ * kv_row_bytes_; }
 
  private:
   void validate(const Batch& batch) const;
@@ -67,27 +96,46 @@ class CpuBackend final : public Backend {
   void attention_block(int layer, const Batch& batch);
   void ffn_block(int layer, int64_t n);
   void output_head(const Batch& batch, float* logits);
-  void rmsnorm_rows(const float* x, const std::vector<float>& w, int64_t n, float* y);
   void matmul(const float* x, int64_t n_tokens, int64_t k, std::initializer_list<MatmulJob> jobs);
-  void attend(int layer, const Batch& batch, int64_t t, int64_t head, int thread);
+  void matmul_rows(const RowFn& produce, float* x, int64_t n_tokens, int64_t k, std::initializer_list<MatmulJob> jobs);
+  void matmul_prepared(const kernels::MatmulKernel* const* kern, const void* const* xin, const size_t* x_row_bytes,
+                       int64_t n_tokens, int64_t k, std::initializer_list<MatmulJob> jobs);
+  void attend(int layer, const Batch& batch, int64_t t0, int64_t nt, int64_t head, int thread);
+  void weigh_values(int layer, const Batch& batch, int64_t t0, int64_t nt, int64_t head, float* scores, int thread);
+  void accumulate_values(const uint8_t* v0, const float* w, int n, float* out, int thread);
   void store_kv_row(const float* src, uint8_t* dst);
-  uint8_t* k_at(int layer, int seq, int pos) { return k_cache_[layer].get() + ((size_t)seq * n_ctx_ + pos) * kv_row_bytes_; }
-  uint8_t* v_at(int layer, int seq, int pos) { return v_cache_[layer].get() + ((size_t)seq * n_ctx_ + pos) * kv_row_bytes_; }
+  void identity_table(int seq);
+  // First byte of the cached row at `pos` of `seq` (its block must be mapped: validate() checks).
+  size_t kv_offset(int seq, int pos) const {
+    const int32_t block = tables_[(size_t)seq][(size_t)(pos / block_size_)];
+    return ((size_t)block * block_size_ + (size_t)(pos % block_size_)) * kv_row_bytes_;
+  }
+  uint8_t* k_at(int layer, int seq, int pos) { return k_cache_[layer].get() + kv_offset(seq, pos); }
+  uint8_t* v_at(int layer, int seq, int pos) { return v_cache_[layer].get() + kv_offset(seq, pos); }
 
   const Model& m_;
   const ModelConfig& c_;
   const kernels::KernelTable& kt_;
   ThreadPool pool_;
   int n_ctx_, n_seq_, max_batch_;
+  int block_size_, n_blocks_;
+  bool identity_tables_;                       // n_kv_blocks == 0: sequence s owns a fixed range of blocks
+  int blocks_per_seq_;                         // ceil(n_ctx / block_size)
+  std::vector<std::vector<int32_t>> tables_;   // per sequence: logical block -> physical block
   int64_t q_dim_;
   DType kv_type_;
   size_t kv_row_bytes_, kv_head_bytes_;
   const kernels::MatmulKernel* score_kernel_;  // q · K rows for the cache type
-  // K/V cache per layer: [seq][pos][kv row], allocated untouched so unused context costs no RSS.
-  std::vector<std::unique_ptr<uint8_t[]>> k_cache_, v_cache_;
+  // K/V cache per layer: [block][pos in block][kv row], allocated untouched so unused context costs no RSS.
+  std::vector<AlignedArray<uint8_t>> k_cache_, v_cache_;
   Scratch x_, xn_, q_, k_, v_, att_, gate_, up_, tmp_;
   std::vector<float> scores_, qconv_, vrow_;     // per-thread attention scratch
+  std::vector<int64_t> group_starts_;           // attention token groups of the current batch
+  std::vector<uint8_t> embd_row_;               // a packed embedding row in the file's layout
   std::vector<uint8_t> act_buf_, qact_;         // qact_: per-thread q in the score kernel's format
+  std::vector<float> row_;                      // one fused input row (max(dim, ffn_dim) floats, stays in L1)
+  std::vector<float> rope_cs_;                  // cos/sin of the current position's RoPE angles
+  bool fuse_;                                   // MERLIN_FUSE=0: materialise inputs, then quantize (A/B runs)
 };
 
 CpuBackend::CpuBackend(const Model& model, const BackendOptions& opts)
@@ -108,10 +156,18 @@ CpuBackend::CpuBackend(const Model& model, const BackendOptions& opts)
   kv_head_bytes_ = dtype_row_bytes(kv_type_, (uint64_t)c_.head_dim());
   score_kernel_ = kt_.matmul(kv_type_);
   MERLIN_CHECK(score_kernel_ && score_kernel_->rows, "no kernel for a ", dtype_name(kv_type_), " KV cache");
-  const size_t cache_bytes = (size_t)n_seq_ * n_ctx_ * kv_row_bytes_;
+  block_size_ = opts.kv_block_size;
+  MERLIN_CHECK(block_size_ >= 1 && block_size_ <= 4096, "KV block size must be 1..4096 (got ", block_size_, ")");
+  MERLIN_CHECK(opts.n_kv_blocks >= 0, "negative KV block count ", opts.n_kv_blocks);
+  blocks_per_seq_ = (n_ctx_ + block_size_ - 1) / block_size_;
+  identity_tables_ = opts.n_kv_blocks == 0;
+  n_blocks_ = identity_tables_ ? n_seq_ * blocks_per_seq_ : opts.n_kv_blocks;
+  tables_.resize((size_t)n_seq_);
+  for (int s = 0; s < n_seq_; ++s) identity_table(s);
+  const size_t cache_bytes = (size_t)n_blocks_ * block_size_ * kv_row_bytes_;
   for (int l = 0; l < c_.n_layers; ++l) {
-    k_cache_.emplace_back(new uint8_t[cache_bytes]);
-    v_cache_.emplace_back(new uint8_t[cache_bytes]);
+    k_cache_.push_back(aligned_array<uint8_t>(cache_bytes));
+    v_cache_.push_back(aligned_array<uint8_t>(cache_bytes));
   }
   const size_t B = (size_t)max_batch_;
   x_.resize(B * c_.dim);
@@ -124,10 +180,37 @@ CpuBackend::CpuBackend(const Model& model, const BackendOptions& opts)
   gate_.resize(B * c_.ffn_dim);
   up_.resize(B * c_.ffn_dim);
   const size_t nt = (size_t)pool_.size();
-  scores_.resize(nt * n_ctx_);
-  qconv_.resize(nt * c_.head_dim());
+  scores_.resize(nt * kAttnGroup * n_ctx_);
+  qconv_.resize(nt * kAttnGroup * c_.head_dim());
   vrow_.resize(nt * c_.head_dim());
-  qact_.resize(nt * std::max<size_t>(dtype_row_bytes(DType::Q8_0, 32) * ((c_.head_dim() + 31) / 32), 64));
+  qact_.resize(nt * kAttnGroup * dtype_row_bytes(DType::Q8_0, 32) * (size_t)((c_.head_dim() + 31) / 32));
+  row_.resize((size_t)std::max(c_.dim, c_.ffn_dim));
+  rope_cs_.resize((size_t)c_.rot_dims() + 2);
+  const char* fuse = std::getenv("MERLIN_FUSE");
+  fuse_ = fuse == nullptr || std::strcmp(fuse, "0") != 0;
+}
+
+void CpuBackend::identity_table(int seq) {
+  std::vector<int32_t>& t = tables_[(size_t)seq];
+  t.clear();
+  if (!identity_tables_) return;  // paged: the owner maps blocks with set_block_table
+  for (int b = 0; b < blocks_per_seq_; ++b) t.push_back(seq * blocks_per_seq_ + b);
+}
+
+void CpuBackend::clear_sequence(int seq) {
+  MERLIN_CHECK(seq >= 0 && seq < n_seq_, "sequence ", seq, " out of range");
+  // Identity tables stay (positions are simply overwritten); a paged sequence gives up its blocks, so a
+  // stale table can never write into blocks that now belong to someone else.
+  identity_table(seq);
+}
+
+void CpuBackend::set_block_table(int seq, std::span<const int32_t> blocks) {
+  MERLIN_CHECK(seq >= 0 && seq < n_seq_, "sequence ", seq, " out of range");
+  MERLIN_CHECK((int64_t)blocks.size() <= blocks_per_seq_, "block table of ", blocks.size(),
+               " blocks is longer than the context (", blocks_per_seq_, " blocks)");
+  for (int32_t b : blocks)
+    MERLIN_CHECK(b >= 0 && b < n_blocks_, "KV block ", b, " out of range (0..", n_blocks_ - 1, ")");
+  tables_[(size_t)seq].assign(blocks.begin(), blocks.end());
 }
 
 void CpuBackend::validate(const Batch& batch) const {
@@ -139,6 +222,11 @@ void CpuBackend::validate(const Batch& batch) const {
     MERLIN_CHECK(batch.pos[i] >= 0 && batch.pos[i] < n_ctx_, "position ", batch.pos[i],
                  " is outside the context (", n_ctx_, " tokens)");
     MERLIN_CHECK(batch.seq[i] >= 0 && batch.seq[i] < n_seq_, "sequence ", batch.seq[i], " out of range");
+    // Attention reads every position up to pos, so all blocks up to pos's must be mapped; tables are
+    // dense, so checking the last one suffices.
+    MERLIN_CHECK((size_t)(batch.pos[i] / block_size_) < tables_[(size_t)batch.seq[i]].size(), "position ",
+                 batch.pos[i], " of sequence ", batch.seq[i], " is beyond its mapped KV blocks (",
+                 tables_[(size_t)batch.seq[i]].size(), " blocks of ", block_size_, ")");
   }
 }
 
@@ -155,12 +243,15 @@ void CpuBackend::forward(const Batch& batch, float* logits) {
 
 void CpuBackend::embed(const Batch& batch) {
   const Weight& e = m_.token_embd();
-  for (size_t i = 0; i < batch.size(); ++i)
-    kernels::dequantize_row(e.type, e.row(batch.tokens[i]), &x_[i * c_.dim], c_.dim);
-}
-
-void CpuBackend::rmsnorm_rows(const float* x, const std::vector<float>& w, int64_t n, float* y) {
-  for (int64_t t = 0; t < n; ++t) kt_.rmsnorm(x + t * c_.dim, w.data(), c_.dim, c_.norm_eps, y + t * c_.dim);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const void* row = e.row(batch.tokens[i]);
+    if (e.packed != nullptr) {  // the tied table, packed at load on an AVX-512 CPU
+      if (embd_row_.size() < e.row_bytes) embd_row_.resize(e.row_bytes);
+      e.packed_kernel->unpack_row(e.packed, batch.tokens[i], c_.dim, embd_row_.data());
+      row = embd_row_.data();
+    }
+    kernels::dequantize_row(e.type, row, &x_[i * c_.dim], c_.dim);
+  }
 }
 
 void CpuBackend::matmul(const float* x, int64_t n_tokens, int64_t k, std::initializer_list<MatmulJob> jobs) {
@@ -188,13 +279,61 @@ void CpuBackend::matmul(const float* x, int64_t n_tokens, int64_t k, std::initia
   for (const MatmulJob& job : jobs) {
     (void)job;
     if (kern[j]->act_type != DType::F32) {
-      void* dst = act_buf_.data() + act_offset;
-      kern[j]->quantize_act(x, n_tokens, k, dst);
-      xin[j] = dst;
-      act_offset += x_row_bytes[j] * n_tokens;
+      // Projections of one input in the same format (q/k/v, gate/up of one type) share one conversion.
+      size_t same = 0;
+      while (same < j && kern[same]->quantize_act != kern[j]->quantize_act) ++same;
+      if (same < j) {
+        xin[j] = xin[same];
+      } else {
+        void* dst = act_buf_.data() + act_offset;
+        kern[j]->quantize_act(x, n_tokens, k, dst);
+        xin[j] = dst;
+        act_offset += x_row_bytes[j] * n_tokens;
+      }
     }
     ++j;
   }
+  matmul_prepared(kern, xin, x_row_bytes, n_tokens, k, jobs);
+}
+
+// RMSNorm + quantization and SwiGLU + quantization: when every product of the input wants the same int8
+// format, each token's float row is produced into an L1-sized buffer and quantized at once, so the
+// [n_tokens][k] float activations are never written and read back. Per token these are the same kernel calls
+// on the same values as the unfused path (rmsnorm/swiglu are per token, quantize_act per block), so the bits
+// are unchanged. Otherwise the rows are materialised in `x` and matmul() runs as usual.
+void CpuBackend::matmul_rows(const RowFn& produce, float* x, int64_t n_tokens, int64_t k,
+                             std::initializer_list<MatmulJob> jobs) {
+  const kernels::MatmulKernel* kern[4];
+  size_t j = 0;
+  bool fusable = fuse_;
+  for (const MatmulJob& job : jobs) {
+    kern[j] = kt_.matmul(job.w->type);
+    fusable = fusable && kern[j]->act_type != DType::F32 && kern[j]->quantize_act == kern[0]->quantize_act;
+    ++j;
+  }
+  if (!fusable) {
+    for (int64_t t = 0; t < n_tokens; ++t) produce(t, x + t * k);
+    matmul(x, n_tokens, k, jobs);
+    return;
+  }
+  const size_t row_bytes = dtype_row_bytes(kern[0]->act_type, (uint64_t)k);
+  if (act_buf_.size() < row_bytes * n_tokens) act_buf_.resize(row_bytes * n_tokens);
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    produce(t, row_.data());
+    kern[0]->quantize_act(row_.data(), 1, k, act_buf_.data() + row_bytes * t);
+  }
+  const void* xin[4];
+  size_t x_row_bytes[4];
+  for (size_t i = 0; i < j; ++i) {
+    xin[i] = act_buf_.data();
+    x_row_bytes[i] = row_bytes;
+  }
+  matmul_prepared(kern, xin, x_row_bytes, n_tokens, k, jobs);
+}
+
+void CpuBackend::matmul_prepared(const kernels::MatmulKernel* const* kern, const void* const* xin,
+                                 const size_t* x_row_bytes, int64_t n_tokens, int64_t k,
+                                 std::initializer_list<MatmulJob> jobs) {
   pool_.run([&](int ti, int nt) {
     size_t jj = 0;
     for (const MatmulJob& job : jobs) {
@@ -202,8 +341,14 @@ void CpuBackend::matmul(const float* x, int64_t n_tokens, int64_t k, std::initia
       // Split rows in multiples of 16 so threads never share a cache line of the output.
       const int64_t units = (rows + 15) / 16;
       const int64_t r0 = std::min(rows, units * ti / nt * 16), r1 = std::min(rows, units * (ti + 1) / nt * 16);
-      if (r0 < r1)
-        kern[jj]->rows(job.w->data, job.w->row_bytes, r0, r1, xin[jj], x_row_bytes[jj], n_tokens, k, job.y, rows);
+      if (r0 < r1) {
+        // The model's load-time layout, when it was made for this kernel level (bit-identical results).
+        const Weight& w = *job.w;
+        if (w.packed != nullptr && w.packed_kernel == kern[jj]->packed)
+          w.packed_kernel->rows(w.packed, 0, r0, r1, xin[jj], x_row_bytes[jj], n_tokens, k, job.y, rows);
+        else
+          kern[jj]->rows(job.w->data, job.w->row_bytes, r0, r1, xin[jj], x_row_bytes[jj], n_tokens, k, job.y, rows);
+      }
       ++jj;
     }
   });
@@ -212,19 +357,30 @@ void CpuBackend::matmul(const float* x, int64_t n_tokens, int64_t k, std::initia
 void CpuBackend::attention_block(int layer, const Batch& batch) {
   const LayerWeights& w = m_.layer(layer);
   const int64_t n = (int64_t)batch.size(), kv_dim = c_.kv_dim(), hd = c_.head_dim();
-  rmsnorm_rows(x_.data(), w.attn_norm, n, xn_.data());
-  matmul(xn_.data(), n, c_.dim, {{&w.wq, q_.data()}, {&w.wk, k_.data()}, {&w.wv, v_.data()}});
+  matmul_rows([&](int64_t t, float* out) { kt_.rmsnorm(&x_[t * c_.dim], w.attn_norm.data(), c_.dim, c_.norm_eps, out); },
+              xn_.data(), n, c_.dim, {{&w.wq, q_.data()}, {&w.wk, k_.data()}, {&w.wv, v_.data()}});
   for (int64_t t = 0; t < n; ++t) {
     float* q = &q_[t * q_dim_];
     float* k = &k_[t * kv_dim];
-    kernels::rope_inplace(q, c_.n_heads, hd, c_.rot_dims(), batch.pos[t], c_.rope_theta);
-    kernels::rope_inplace(k, c_.n_kv_heads, hd, c_.rot_dims(), batch.pos[t], c_.rope_theta);
+    // One angle table per position for q and k (the cos/sin cost more than the rotations).
+    kernels::rope_angles(c_.rot_dims(), batch.pos[t], c_.rope_theta, rope_cs_.data());
+    kernels::rope_apply(q, c_.n_heads, hd, c_.rot_dims(), rope_cs_.data());
+    kernels::rope_apply(k, c_.n_kv_heads, hd, c_.rot_dims(), rope_cs_.data());
     store_kv_row(k, k_at(layer, batch.seq[t], batch.pos[t]));
     store_kv_row(&v_[t * kv_dim], v_at(layer, batch.seq[t], batch.pos[t]));
   }
-  const int64_t work = n * c_.n_heads;
+  // Groups of up to kAttnGroup consecutive batch tokens of one sequence, times heads, are the work items.
+  std::vector<int64_t>& starts = group_starts_;
+  starts.clear();
+  for (int64_t t = 0; t < n; ++t)
+    if (starts.empty() || t - starts.back() == kAttnGroup || batch.seq[t] != batch.seq[starts.back()]) starts.push_back(t);
+  const int64_t n_groups = (int64_t)starts.size(), work = n_groups * c_.n_heads;
+  starts.push_back(n);
   pool_.run([&](int ti, int nt) {
-    for (int64_t i = work * ti / nt; i < work * (ti + 1) / nt; ++i) attend(layer, batch, i / c_.n_heads, i % c_.n_heads, ti);
+    for (int64_t i = work * ti / nt; i < work * (ti + 1) / nt; ++i) {
+      const int64_t g = i / c_.n_heads;
+      attend(layer, batch, starts[g], starts[g + 1] - starts[g], i % c_.n_heads, ti);
+    }
   });
   matmul(att_.data(), n, q_dim_, {{&w.wo, tmp_.data()}});
   kt_.add(x_.data(), tmp_.data(), x_.data(), n * c_.dim);
@@ -234,54 +390,109 @@ void CpuBackend::store_kv_row(const float* src, uint8_t* dst) {
   const int64_t n = c_.kv_dim();
   switch (kv_type_) {
     case DType::F32: std::memcpy(dst, src, (size_t)n * sizeof(float)); break;
-    case DType::F16: {
-      uint16_t* h = reinterpret_cast<uint16_t*>(dst);
-      for (int64_t i = 0; i < n; ++i) h[i] = f32_to_fp16(src[i]);
-      break;
-    }
+    case DType::F16: kt_.to_f16(src, reinterpret_cast<uint16_t*>(dst), n); break;
     default: kernels::quant_quantize_row(kv_type_, src, dst, n); break;
   }
 }
 
-void CpuBackend::attend(int layer, const Batch& batch, int64_t t, int64_t head, int thread) {
+// Attention of head `head` for batch tokens [t0, t0 + nt), all of one sequence. Their scores come from one
+// score-kernel call per K block over the positions up to the last token's (a token's extra scores, past its
+// own position, are ignored); each score is its own dot product computed by the batch-invariant kernel, so
+// grouping changes no value.
+void CpuBackend::attend(int layer, const Batch& batch, int64_t t0, int64_t nt, int64_t head, int thread) {
   const int64_t hd = c_.head_dim();
   const int64_t kv_head = head / (c_.n_heads / c_.n_kv_heads);
-  const int seq = batch.seq[t], n_pos = batch.pos[t] + 1;
-  float* scores = &scores_[(size_t)thread * n_ctx_];
-  const float* q = &q_[t * q_dim_ + head * hd];
+  const int seq = batch.seq[t0];
+  int n_pos = 0;
+  for (int64_t i = 0; i < nt; ++i) n_pos = std::max(n_pos, batch.pos[t0 + i] + 1);
+  float* scores = &scores_[(size_t)thread * kAttnGroup * n_ctx_];
+  auto q_of = [&](int64_t i) { return &q_[(t0 + i) * q_dim_ + head * hd]; };
 
-  // Scores: the cached K rows of this head form a (n_pos × hd) matrix with a full-row stride.
-  const void* x = q;
-  size_t x_bytes = (size_t)hd * sizeof(float);
+  // The group's q rows in the score kernel's activation format.
+  const void* x = q_of(0);
+  size_t x_bytes = (size_t)q_dim_ * sizeof(float);
   if (kv_type_ == DType::F16) {
-    float* qr = &qconv_[(size_t)thread * hd];
-    for (int64_t i = 0; i < hd; ++i) qr[i] = fp16_to_f32(f32_to_fp16(q[i]));
+    float* qr = &qconv_[(size_t)thread * kAttnGroup * hd];
+    for (int64_t i = 0; i < nt; ++i) kt_.round_f16(q_of(i), qr + i * hd, hd);
     x = qr;
+    x_bytes = (size_t)hd * sizeof(float);
   } else if (kv_type_ != DType::F32) {
-    uint8_t* qa = &qact_[(size_t)thread * (qact_.size() / pool_.size())];
-    score_kernel_->quantize_act(q, 1, hd, qa);
-    x = qa;
     x_bytes = dtype_row_bytes(score_kernel_->act_type, (uint64_t)hd);
+    uint8_t* qa = &qact_[(size_t)thread * (qact_.size() / pool_.size())];
+    for (int64_t i = 0; i < nt; ++i) score_kernel_->quantize_act(q_of(i), 1, hd, qa + i * x_bytes);
+    x = qa;
   }
-  const uint8_t* k0 = k_at(layer, seq, 0) + (size_t)kv_head * kv_head_bytes_;
-  score_kernel_->rows(k0, kv_row_bytes_, 0, n_pos, x, x_bytes, 1, hd, scores, n_pos);
-  const float scale = 1.0f / std::sqrt((float)hd);
-  for (int p = 0; p < n_pos; ++p) scores[p] *= scale;
-  kt_.softmax(scores, n_pos);
+  // Block by block through the sequence's table.
+  const std::vector<int32_t>& table = tables_[(size_t)seq];
+  const size_t head_offset = (size_t)kv_head * kv_head_bytes_;
+  const size_t block_bytes = (size_t)block_size_ * kv_row_bytes_;
+  const uint8_t* k_layer = k_cache_[layer].get();
+  for (int p0 = 0; p0 < n_pos; p0 += block_size_) {
+    const int n = std::min(block_size_, n_pos - p0);
+    const uint8_t* k0 = k_layer + (size_t)table[(size_t)(p0 / block_size_)] * block_bytes + head_offset;
+    score_kernel_->rows(k0, kv_row_bytes_, 0, n, x, x_bytes, nt, hd, scores + p0, n_ctx_);
+  }
+  weigh_values(layer, batch, t0, nt, head, scores, thread);
+}
 
-  float* out = &att_[t * q_dim_ + head * hd];
-  std::fill(out, out + hd, 0.0f);
-  for (int p = 0; p < n_pos; ++p) {
-    const uint8_t* v = v_at(layer, seq, p) + (size_t)kv_head * kv_head_bytes_;
+// For each token i of the group: out_i = softmax(scores_i / sqrt(hd)) · V over its positions [0, pos_i].
+// With an F16 cache the positions all tokens share are summed for the whole group at once (each V row is
+// widened once), then each token's own positions follow; per output element that is the same sequence of
+// multiply-adds in position order as token by token.
+void CpuBackend::weigh_values(int layer, const Batch& batch, int64_t t0, int64_t nt, int64_t head, float* scores,
+                              int thread) {
+  const int64_t hd = c_.head_dim();
+  const int64_t kv_head = head / (c_.n_heads / c_.n_kv_heads);
+  const float scale = 1.0f / std::sqrt((float)hd);
+  int n_shared = n_ctx_, n_all = 0;
+  for (int64_t i = 0; i < nt; ++i) {
+    const int n_pos = batch.pos[t0 + i] + 1;
+    float* sc = scores + i * n_ctx_;
+    for (int p = 0; p < n_pos; ++p) sc[p] *= scale;
+    kt_.softmax(sc, n_pos);
+    if (kv_type_ == DType::F16) kt_.round_f16(sc, sc, n_pos);  // the weights llama.cpp applies to F16 V
+    std::fill(&att_[(t0 + i) * q_dim_ + head * hd], &att_[(t0 + i) * q_dim_ + head * hd] + hd, 0.0f);
+    n_shared = std::min(n_shared, n_pos);
+    n_all = std::max(n_all, n_pos);
+  }
+  const std::vector<int32_t>& table = tables_[(size_t)batch.seq[t0]];
+  const size_t head_offset = (size_t)kv_head * kv_head_bytes_;
+  const size_t block_bytes = (size_t)block_size_ * kv_row_bytes_;
+  const uint8_t* v_layer = v_cache_[layer].get();
+  const size_t ldv = kv_row_bytes_ / sizeof(uint16_t);
+  for (int p0 = 0; p0 < n_all; p0 += block_size_) {
+    const int n = std::min(block_size_, n_all - p0);
+    const uint8_t* v0 = v_layer + (size_t)table[(size_t)(p0 / block_size_)] * block_bytes + head_offset;
+    int own = 0;  // first row of the block that is not shared by the whole group
+    if (kv_type_ == DType::F16) {
+      own = std::clamp(n_shared - p0, 0, n);
+      kt_.axpy_f16_rows(scores + p0, (size_t)n_ctx_, nt, reinterpret_cast<const uint16_t*>(v0), ldv, own,
+                        &att_[t0 * q_dim_ + head * hd], (size_t)q_dim_, hd);
+    }
+    for (int64_t i = 0; i < nt; ++i) {
+      const int end = std::min(n, batch.pos[t0 + i] + 1 - p0);
+      if (end > own)
+        accumulate_values(v0 + (size_t)own * kv_row_bytes_, scores + i * n_ctx_ + p0 + own, end - own,
+                          &att_[(t0 + i) * q_dim_ + head * hd], thread);
+    }
+  }
+}
+
+// out += sum_p w[p] * V row p, for n consecutive rows of one block (in position order).
+void CpuBackend::accumulate_values(const uint8_t* v0, const float* w, int n, float* out, int thread) {
+  const int64_t hd = c_.head_dim();
+  if (kv_type_ == DType::F16) {  // w is already rounded to f16 values
+    kt_.axpy_f16_rows(w, 0, 1, reinterpret_cast<const uint16_t*>(v0), kv_row_bytes_ / sizeof(uint16_t), n, out, 0, hd);
+    return;
+  }
+  for (int p = 0; p < n; ++p) {
+    const uint8_t* v = v0 + (size_t)p * kv_row_bytes_;
     switch (kv_type_) {
-      case DType::F32: kt_.axpy(scores[p], reinterpret_cast<const float*>(v), out, hd); break;
-      case DType::F16:
-        kt_.axpy_f16(fp16_to_f32(f32_to_fp16(scores[p])), reinterpret_cast<const uint16_t*>(v), out, hd);
-        break;
+      case DType::F32: kt_.axpy(w[p], reinterpret_cast<const float*>(v), out, hd); break;
       default: {
         float* row = &vrow_[(size_t)thread * hd];
         kernels::dequantize_row(kv_type_, v, row, hd);
-        kt_.axpy(scores[p], row, out, hd);
+        kt_.axpy(w[p], row, out, hd);
       }
     }
   }
@@ -289,10 +500,12 @@ void CpuBackend::attend(int layer, const Batch& batch, int64_t t, int64_t head, 
 
 void CpuBackend::ffn_block(int layer, int64_t n) {
   const LayerWeights& w = m_.layer(layer);
-  rmsnorm_rows(x_.data(), w.ffn_norm, n, xn_.data());
-  matmul(xn_.data(), n, c_.dim, {{&w.gate, gate_.data()}, {&w.up, up_.data()}});
-  kt_.swiglu(gate_.data(), up_.data(), n * c_.ffn_dim, gate_.data());
-  matmul(gate_.data(), n, c_.ffn_dim, {{&w.down, tmp_.data()}});
+  const int64_t f = c_.ffn_dim;
+  matmul_rows([&](int64_t t, float* out) { kt_.rmsnorm(&x_[t * c_.dim], w.ffn_norm.data(), c_.dim, c_.norm_eps, out); },
+              xn_.data(), n, c_.dim, {{&w.gate, gate_.data()}, {&w.up, up_.data()}});
+  // In place into gate_ when not fused, as before.
+  matmul_rows([&](int64_t t, float* out) { kt_.swiglu(&gate_[t * f], &up_[t * f], f, out); }, gate_.data(), n, f,
+              {{&w.down, tmp_.data()}});
   kt_.add(x_.data(), tmp_.data(), x_.data(), n * c_.dim);
 }
 

@@ -1,9 +1,13 @@
 #include "runtime/model.h"
 
 #include <fcntl.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -19,6 +23,23 @@ namespace tn = tensor_names;
 namespace {
 
 constexpr size_t kHugePage = size_t{2} << 20;
+constexpr size_t kPage = 4096;
+
+// Anonymous memory of `bytes` (a multiple of 4 KiB) starting on a 2 MiB boundary and advised for
+// transparent huge pages: every whole 2 MiB stretch becomes one huge page, and the tail past the last
+// boundary stays in 4 KiB pages instead of costing a whole huge page (up to 2 MiB of RSS for nothing; the
+// tail is a fraction of one matrix, so its TLB misses do not show in decode). Null on failure.
+uint8_t* map_huge_page_aligned(size_t bytes) {
+  const size_t reserve = bytes + kHugePage;
+  void* r = ::mmap(nullptr, reserve, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (r == MAP_FAILED) return nullptr;
+  auto* base = static_cast<uint8_t*>(r);
+  auto* p = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(base) + kHugePage - 1) & ~(kHugePage - 1));
+  if (p > base) ::munmap(base, (size_t)(p - base));
+  if (base + reserve > p + bytes) ::munmap(p + bytes, (size_t)(base + reserve - (p + bytes)));
+  ::madvise(p, bytes, MADV_HUGEPAGE);
+  return p;
+}
 
 uint64_t mem_available_bytes() {
   std::ifstream f("/proc/meminfo");
@@ -44,39 +65,122 @@ void Model::AnonDeleter::operator()(uint8_t* p) const {
   if (p != nullptr) ::munmap(p, bytes);
 }
 
-// Reads the data section with pread (not through the map), so the copy is the only resident version.
-void Model::copy_weights_to_huge_pages() {
-  const uint64_t begin = file_->data_offset(), bytes = file_->file_size() - begin;
-  const size_t mapped = (bytes + kHugePage - 1) / kHugePage * kHugePage;
-  void* p = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) return;  // keep the weights in place
-  ::madvise(p, mapped, MADV_HUGEPAGE);
-  std::unique_ptr<uint8_t, AnonDeleter> copy(static_cast<uint8_t*>(p), AnonDeleter{mapped});
+namespace {
+
+// pread of n bytes at off; false on a short file or error.
+bool read_at(int fd, uint8_t* dst, uint64_t n, uint64_t off) {
+  uint64_t done = 0;
+  while (done < n) {
+    const ssize_t r = ::pread(fd, dst + done, std::min<uint64_t>(n - done, 64 << 20), (off_t)(off + done));
+    if (r <= 0) {
+      if (r < 0 && errno == EINTR) continue;
+      return false;
+    }
+    done += (uint64_t)r;
+  }
+  return true;
+}
+
+// A matrix of the file going into the copy: in the CPU kernels' load-time layout when they have one
+// (MERLIN_REPACK=0 keeps the file's layout, for A/B measurements), else as stored.
+struct Placement {
+  Weight* w;
+  uint64_t file_offset;
+  const kernels::PackedMatmul* pm;
+  size_t bytes, at;
+};
+
+// Repacks a matrix from the file in slabs of rows, so only the copy stays resident.
+bool read_packed(int fd, const Placement& p, uint8_t* dst) {
+  const Weight& w = *p.w;
+  constexpr int64_t kSlabRows = 16 * kernels::kRepackRows;
+  const size_t group_bytes = p.pm->bytes(kernels::kRepackRows, w.cols);
+  std::vector<uint8_t> slab((size_t)kSlabRows * w.row_bytes);
+  for (int64_t r = 0; r < w.rows; r += kSlabRows) {
+    const int64_t n = std::min(kSlabRows, w.rows - r);
+    if (!read_at(fd, slab.data(), (uint64_t)n * w.row_bytes, p.file_offset + (uint64_t)r * w.row_bytes)) return false;
+    p.pm->repack(slab.data(), w.row_bytes, n, w.cols, dst + (size_t)(r / kernels::kRepackRows) * group_bytes);
+  }
+  return true;
+}
+
+}  // namespace
+
+// Copies the matrices (not the embedding table, of which a few rows are read per token) into anonymous
+// memory backed by 2 MiB pages, read with pread rather than through the map so the copy is the only resident
+// version. Types whose CPU kernels have a row-interleaved layout are stored only in that layout: same bytes,
+// faster decode and prefill; their `data` keeps pointing into the file for other readers.
+void Model::place_weights_in_huge_pages() {
+  const char* e = std::getenv("MERLIN_REPACK");
+  const bool repack = e == nullptr || std::strcmp(e, "0") != 0;
+  std::vector<Placement> plan;
+  size_t total = 0;
+  auto add = [&](Weight& w, const std::string& name) {
+    const kernels::MatmulKernel* k = kernels::kernels().matmul(w.type);
+    const kernels::PackedMatmul* pm = repack && k != nullptr ? k->packed : nullptr;
+    const size_t bytes = pm ? pm->bytes(w.rows, w.cols) : (size_t)w.rows * w.row_bytes;
+    plan.push_back({&w, file_->data_offset() + file_->tensor(name).offset, pm, bytes, total});
+    total += (bytes + 63) / 64 * 64;
+  };
+  add(output_, config_.tied_embeddings ? tn::kTokenEmbd : tn::kOutput);
+  for (int i = 0; i < config_.n_layers; ++i) {
+    LayerWeights& l = layers_[(size_t)i];
+    const std::pair<Weight*, const char*> mats[] = {{&l.wq, "attn_q"},      {&l.wk, "attn_k"},  {&l.wv, "attn_v"},
+                                                    {&l.wo, "attn_output"}, {&l.gate, "ffn_gate"}, {&l.up, "ffn_up"},
+                                                    {&l.down, "ffn_down"}};
+    for (const auto& [w, name] : mats) add(*w, tn::blk(i, name));
+  }
+  const size_t mapped = (total + kPage - 1) / kPage * kPage;
+  uint8_t* p = map_huge_page_aligned(mapped);
+  if (p == nullptr) return;  // keep the weights in place
+  std::unique_ptr<uint8_t, AnonDeleter> copy(p, AnonDeleter{mapped});
   const int fd = ::open(file_->path().c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return;
-  uint64_t done = 0;
-  while (done < bytes) {
-    const ssize_t n = ::pread(fd, copy.get() + done, std::min<uint64_t>(bytes - done, 64 << 20), (off_t)(begin + done));
-    if (n <= 0) {
-      if (n < 0 && errno == EINTR) continue;
+  for (const Placement& pl : plan) {
+    uint8_t* dst = copy.get() + pl.at;
+    const bool ok = pl.pm ? read_packed(fd, pl, dst) : read_at(fd, dst, pl.bytes, pl.file_offset);
+    if (!ok) {
       ::close(fd);
       return;  // the file changed under us: keep the weights in place
     }
-    done += (uint64_t)n;
   }
   ::close(fd);
   ::mprotect(copy.get(), mapped, PROT_READ);
+  for (const Placement& pl : plan) {
+    if (pl.pm) {
+      pl.w->packed = copy.get() + pl.at;
+      pl.w->packed_kernel = pl.pm;
+    } else {
+      pl.w->data = copy.get() + pl.at;
+    }
+  }
+  // A tied table is looked up in the output's copy: rows read through the file map would add resident
+  // pages (and the kernel maps 16 around each fault).
+  if (config_.tied_embeddings) {
+    token_embd_.packed = output_.packed;
+    token_embd_.packed_kernel = output_.packed_kernel;
+    if (output_.packed == nullptr) token_embd_.data = output_.data;
+  }
   weights_copy_ = std::move(copy);
 }
 
-const uint8_t* Model::weight_ptr(const gguf::TensorInfo& t) const {
-  return weights_copy_ ? weights_copy_.get() + t.offset : t.data;  // offsets are relative to the data section
+// What only loading needed: the tokenizer's arrays in the file's metadata (the Tokenizer holds its own copy
+// and can write them back with to_gguf), the pages of the map that parsing and the norm vectors touched, and
+// the heap pages freed by both. About 10 MiB on GPT-2-vocabulary models, as much as their KV cache holds
+// for a few hundred positions.
+void Model::release_load_memory() {
+  for (const char* key : {"tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+                          "tokenizer.ggml.scores"})
+    file_->release_metadata(key);
+  file_->release_resident_pages();
+#ifdef __GLIBC__
+  ::malloc_trim(0);
+#endif
 }
 
 std::unique_ptr<Model> Model::load(const std::string& path, WeightMemory memory) {
   std::unique_ptr<Model> m(new Model());
   m->file_ = gguf::File::open(path);
-  if (want_huge_pages(memory, m->file_->file_size() - m->file_->data_offset())) m->copy_weights_to_huge_pages();
   try {
     m->config_ = ModelConfig::from_gguf(m->file_->metadata());
     const gguf::TensorInfo& embd = m->file_->tensor(tn::kTokenEmbd);
@@ -106,6 +210,9 @@ std::unique_ptr<Model> Model::load(const std::string& path, WeightMemory memory)
       l.down = m->matrix(tn::blk(i, "ffn_down"), c.dim, c.ffn_dim);
       m->layers_.push_back(std::move(l));
     }
+    // Before the copy, so the peak of loading is not the copy plus what parsing left behind.
+    m->release_load_memory();
+    if (want_huge_pages(memory, m->file_->file_size() - m->file_->data_offset())) m->place_weights_in_huge_pages();
   } catch (const Error& e) {
     const std::string msg = e.what();
     if (msg.rfind(path, 0) == 0) throw;
@@ -124,7 +231,7 @@ Weight Model::matrix(const std::string& name, int64_t rows, int64_t cols) const 
                ", which Merlin cannot compute with yet");
   Weight w;
   w.type = t.type;
-  w.data = weight_ptr(t);
+  w.data = t.data;
   w.rows = rows;
   w.cols = cols;
   w.row_bytes = dtype_row_bytes(t.type, (uint64_t)cols);

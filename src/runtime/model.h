@@ -1,6 +1,7 @@
-// A loaded model: configuration, tokenizer and weight views into the mmapped GGUF file. Weights are
-// used in place (no copy) in whatever type the file stores; only small 1-D norm vectors are converted
-// to f32 and owned.
+// A loaded model: configuration, tokenizer and weight views into the mmapped GGUF file, in whatever type
+// the file stores. When memory allows, the matrices are copied once into huge pages, those with a CPU
+// load-time layout (kernels::PackedMatmul) only in that layout; only small 1-D norm vectors are converted to
+// f32 and owned.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -12,6 +13,10 @@
 #include "model/config.h"
 #include "tokenizer/tokenizer.h"
 
+namespace merlin::kernels {
+struct PackedMatmul;
+}
+
 namespace merlin {
 
 // A 2-D weight matrix: `rows` output features, each a row of `cols` elements of `type`.
@@ -21,6 +26,12 @@ struct Weight {
   int64_t rows = 0, cols = 0;
   size_t row_bytes = 0;
   const uint8_t* row(int64_t r) const { return static_cast<const uint8_t*>(data) + (size_t)r * row_bytes; }
+  // The same matrix in the active CPU kernel level's load-time layout, when the model keeps its weights in
+  // huge pages and that level has one for this type (then `data` stays in the file map, unused by the CPU
+  // backend and paged in only if something else reads it). Row lookups go through
+  // packed_kernel->unpack_row.
+  const void* packed = nullptr;
+  const kernels::PackedMatmul* packed_kernel = nullptr;
 };
 
 struct LayerWeights {
@@ -67,14 +78,14 @@ class Model {
   Weight token_embd_, output_;
   std::vector<float> output_norm_;
   std::vector<LayerWeights> layers_;
-  // The huge-page copy of the file's data section (null when weights are used in place).
+  // The huge-page copy of the matrices (null when weights are used in place).
   struct AnonDeleter {
     size_t bytes;
     void operator()(uint8_t* p) const;
   };
   std::unique_ptr<uint8_t, AnonDeleter> weights_copy_{nullptr, AnonDeleter{0}};
-  const uint8_t* weight_ptr(const gguf::TensorInfo& t) const;
-  void copy_weights_to_huge_pages();
+  void place_weights_in_huge_pages();
+  void release_load_memory();
 };
 
 }  // namespace merlin

@@ -125,6 +125,20 @@ TEST(Gguf, RoundTripEveryValueType) {
   EXPECT_THROW(md.at("string").as_int(), Error);
 }
 
+// A loader drops arrays it has copied and the map's resident pages; the file still reads the same afterwards.
+TEST(Gguf, ReleaseMetadataAndPages) {
+  test::TempDir dir;
+  auto f = File::open(write_sample(dir));
+  f->release_metadata("strings");
+  f->release_metadata("missing");  // no-op
+  const Array& s = f->metadata().at("strings").as_array();
+  EXPECT_EQ(s.type, ValueType::STRING);
+  EXPECT_TRUE(s.items.empty());
+  EXPECT_EQ(f->metadata().at("string").as_string(), "héllo");
+  f->release_resident_pages();
+  EXPECT_EQ(reinterpret_cast<const float*>(f->tensor("a").data)[5], 6.0f);
+}
+
 TEST(Gguf, WriterRejectsShortOrExtraData) {
   test::TempDir dir;
   {

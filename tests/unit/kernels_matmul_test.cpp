@@ -170,6 +170,32 @@ TEST_P(MatmulLevelTest, UnsupportedTypeHasNoRows) {
   EXPECT_EQ(mk->rows, nullptr);
 }
 
+// Batch invariance at the kernel level: a token's outputs are bit for bit the same whether it is computed
+// alone (the decode path) or at any position of a batch (the tiled paths: 2-row tiles for k < 1024, 4-row
+// tiles beyond, token groups of uneven sizes), for every row sub-range start.
+TEST_P(MatmulLevelTest, TokenAloneEqualsTokenInBatch) {
+  SKIP_IF_UNAVAILABLE(GetParam());
+  std::mt19937 rng(2024);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  for (DType type : {DType::F32, DType::F16, DType::BF16})
+    for (int64_t k : {100, 256, 1024, 1030})
+      for (int64_t nt : {8, 13, 32, 33}) {
+        const int64_t rows = 37, r0 = 3;
+        SCOPED_TRACE(describe(type, Case{rows, k, nt, r0}) + " level=" + kernel_level_name(GetParam()));
+        const Weights w = make_weights(type, rows, k, 0, rng);
+        std::vector<float> x((size_t)(nt * k));
+        for (float& v : x) v = dist(rng);
+        const MatmulKernel* mk = kernels_for(GetParam()).matmul(type);
+        std::vector<float> batch((size_t)(nt * rows)), alone((size_t)rows);
+        mk->rows(w.bytes.data(), w.row_bytes, r0, rows, x.data(), (size_t)k * 4, nt, k, batch.data(), rows);
+        for (int64_t t = 0; t < nt; ++t) {
+          mk->rows(w.bytes.data(), w.row_bytes, r0, rows, x.data() + t * k, (size_t)k * 4, 1, k, alone.data(), rows);
+          for (int64_t r = r0; r < rows; ++r)
+            ASSERT_EQ(std::memcmp(&alone[(size_t)r], &batch[(size_t)(t * rows + r)], 4), 0) << "t=" << t << " r=" << r;
+        }
+      }
+}
+
 INSTANTIATE_TEST_SUITE_P(Levels, MatmulLevelTest,
                          ::testing::Values(KernelLevel::Scalar, KernelLevel::Avx2, KernelLevel::Avx512),
                          [](const auto& info) { return std::string(kernel_level_name(info.param)); });

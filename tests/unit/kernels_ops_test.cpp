@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <ostream>
 #include <random>
 #include <string>
@@ -120,6 +121,51 @@ TEST_P(OpsLevelTest, AxpyF16) {
   }
 }
 
+// The fused rows version must equal, bit for bit, one axpy_f16 call per (output, row) at the same level
+// (the runtime swapped one for the other), for widths around the 64-column chunk, a row stride wider than
+// the row, and output counts around the 6-output tile.
+TEST_P(OpsLevelTest, AxpyF16RowsEqualsRepeatedAxpyF16) {
+  SKIP_IF_UNAVAILABLE(GetParam());
+  for (int64_t n : {1, 15, 64, 65, 100, 200})
+    for (int64_t rows : {0, 1, 3, 37})
+      for (int64_t n_vec : {1, 5, 6, 7, 13}) {
+        SCOPED_TRACE("n=" + std::to_string(n) + " rows=" + std::to_string(rows) + " vectors=" + std::to_string(n_vec));
+        const size_t ldx = (size_t)n + 5, lda = (size_t)rows + 3, ldy = (size_t)n + 2;
+        std::vector<float> xf = random_vec((int64_t)ldx * std::max<int64_t>(rows, 1), -2, 2, rng);
+        std::vector<uint16_t> x(xf.size());
+        for (size_t i = 0; i < x.size(); ++i) x[i] = f32_to_fp16(xf[i]);
+        std::vector<float> a = random_vec((int64_t)lda * n_vec, 0, 1, rng);
+        std::vector<float> y1 = random_vec((int64_t)ldy * n_vec, -1, 1, rng), y2 = y1;
+        for (int64_t v = 0; v < n_vec; ++v)
+          for (int64_t p = 0; p < rows; ++p) table().axpy_f16(a[v * lda + p], x.data() + p * ldx, &y1[v * ldy], n);
+        table().axpy_f16_rows(a.data(), lda, n_vec, x.data(), ldx, rows, y2.data(), ldy, n);
+        for (size_t i = 0; i < y1.size(); ++i) ASSERT_EQ(y1[i], y2[i]) << i;
+      }
+}
+
+// Hardware conversions against the software ones: round to nearest even, halfway cases, overflow to
+// infinity, subnormal halves, signed zero.
+TEST_P(OpsLevelTest, F16RoundingMatchesSoftware) {
+  SKIP_IF_UNAVAILABLE(GetParam());
+  std::vector<float> x = random_vec(1000, -70000, 70000, rng);
+  for (float f : {0.0f, -0.0f, 1.0f + 1.0f / 2048, 1.0f + 3.0f / 2048, 65504.0f, 65519.0f, 65520.0f, 1e-7f, -3e-6f,
+                  6.1e-5f, 1e30f, -1e30f})
+    x.push_back(f);
+  const std::vector<float> small = random_vec(1000, -1e-4f, 1e-4f, rng);
+  x.insert(x.end(), small.begin(), small.end());
+  for (int64_t n : {(int64_t)x.size(), (int64_t)7, (int64_t)1}) {
+    std::vector<float> r((size_t)n);
+    std::vector<uint16_t> h((size_t)n);
+    table().round_f16(x.data(), r.data(), n);
+    table().to_f16(x.data(), h.data(), n);
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_EQ(h[i], f32_to_fp16(x[i])) << x[i];
+      const float want = fp16_to_f32(f32_to_fp16(x[i]));
+      ASSERT_EQ(0, std::memcmp(&r[i], &want, 4)) << x[i];
+    }
+  }
+}
+
 TEST_P(OpsLevelTest, Softmax) {
   SKIP_IF_UNAVAILABLE(GetParam());
   for (int64_t n : kSizes) {
@@ -188,6 +234,21 @@ TEST(Rope, MatchesDoubleFormula) {
               ASSERT_NEAR(out[1], want1, tol) << "pair " << i / 2;
             }
         }
+}
+
+// The backend shares one angle table between the q and k rows of a position: the split functions must give
+// rope_inplace's bits.
+TEST(Rope, AnglesThenApplyEqualsInplace) {
+  std::mt19937 rng(9);
+  for (int64_t n_rot : {(int64_t)0, (int64_t)2, (int64_t)30, (int64_t)64})
+    for (int64_t pos : {0, 3, 511, 4095}) {
+      std::vector<float> x = random_vec(5 * 64, -3, 3, rng), y = x;
+      rope_inplace(x.data(), 5, 64, n_rot, pos, 10000.0f);
+      std::vector<float> cs((size_t)n_rot + 2);
+      rope_angles(n_rot, pos, 10000.0f, cs.data());
+      rope_apply(y.data(), 5, 64, n_rot, cs.data());
+      ASSERT_EQ(0, std::memcmp(x.data(), y.data(), x.size() * sizeof(float))) << "n_rot " << n_rot << " pos " << pos;
+    }
 }
 
 TEST(DequantizeRow, FloatTypes) {

@@ -67,7 +67,8 @@ const MatmulKernel* matmul_at(DType type) {
 }
 
 #define MERLIN_TABLE(L, ns) \
-  KernelTable { L, &matmul_at<L>, &ns::rmsnorm, &ns::swiglu, &ns::dot, &ns::axpy, &ns::add, &ns::softmax, &ns::axpy_f16 }
+  KernelTable { L, &matmul_at<L>, &ns::rmsnorm, &ns::swiglu, &ns::dot, &ns::axpy, &ns::add, &ns::softmax, &ns::axpy_f16, \
+              &ns::axpy_f16_rows, &ns::round_f16, &ns::to_f16 }
 
 const KernelTable kTables[] = {
     MERLIN_TABLE(KernelLevel::Scalar, scalar),
@@ -108,28 +109,38 @@ void dequantize_row(DType type, const void* src, float* dst, int64_t n) {
 
 // The angle recurrence (float theta *= theta_scale, starting at pos) and cosf/sinf follow ggml's rope cache,
 // so the angles carry llama.cpp's rounding; a more exact angle would drift from it at large positions.
-void rope_inplace(float* x, int64_t n_heads, int64_t head_dim, int64_t n_rot, int64_t pos, float theta) {
-  MERLIN_CHECK(n_rot >= 0 && n_rot <= head_dim && n_rot % 2 == 0, "rope: n_rot ", n_rot,
-               " must be even and at most head_dim ", head_dim);
-  const int64_t n_pairs = n_rot / 2;
-  if (n_pairs == 0 || n_heads <= 0) return;
-  float* cs = detail::scratch_floats(detail::kScratchRope, (size_t)(2 * n_pairs));
+void rope_angles(int64_t n_rot, int64_t pos, float theta, float* cs) {
+  MERLIN_CHECK(n_rot >= 0 && n_rot % 2 == 0, "rope: n_rot ", n_rot, " must be even");
   const float theta_scale = std::pow(theta, -2.0f / (float)n_rot);
   float angle = (float)pos;
-  for (int64_t i = 0; i < n_pairs; ++i) {
+  for (int64_t i = 0; i < n_rot / 2; ++i) {
     cs[2 * i] = std::cos(angle);
     cs[2 * i + 1] = std::sin(angle);
     angle *= theta_scale;
   }
+}
+
+void rope_apply(float* x, int64_t n_heads, int64_t head_dim, int64_t n_rot, const float* cs) {
+  MERLIN_CHECK(n_rot >= 0 && n_rot <= head_dim && n_rot % 2 == 0, "rope: n_rot ", n_rot,
+               " must be even and at most head_dim ", head_dim);
   for (int64_t h = 0; h < n_heads; ++h) {
     float* v = x + h * head_dim;
-    for (int64_t i = 0; i < n_pairs; ++i) {
+    for (int64_t i = 0; i < n_rot / 2; ++i) {
       const float c = cs[2 * i], s = cs[2 * i + 1];
       const float x0 = v[2 * i], x1 = v[2 * i + 1];
       v[2 * i] = x0 * c - x1 * s;
       v[2 * i + 1] = x0 * s + x1 * c;
     }
   }
+}
+
+void rope_inplace(float* x, int64_t n_heads, int64_t head_dim, int64_t n_rot, int64_t pos, float theta) {
+  MERLIN_CHECK(n_rot >= 0 && n_rot <= head_dim && n_rot % 2 == 0, "rope: n_rot ", n_rot,
+               " must be even and at most head_dim ", head_dim);
+  if (n_rot == 0 || n_heads <= 0) return;
+  float* cs = detail::scratch_floats(detail::kScratchRope, (size_t)n_rot);
+  rope_angles(n_rot, pos, theta, cs);
+  rope_apply(x, n_heads, head_dim, n_rot, cs);
 }
 
 }  // namespace merlin::kernels

@@ -18,12 +18,27 @@ namespace merlin::kernels {
 //   y[t * ldy + r] = sum_i W[r][i] * x[t][i]    for r in [r0, r1), t in [0, n_tokens)
 // `x` is in the kernel's activation format (act_type): plain float rows of length k for float weights,
 // or rows quantized by quantize_act (x_row_bytes apart).
+// Optional load-time layout of a weight type at a level (AVX-512 Q8_0 and Q4_0: 16 rows interleaved per
+// block, see quant_repack_avx512.cpp). repack() converts a whole rows x k weight into bytes(rows, k) bytes;
+// rows() then takes that buffer as `w` (w_row_bytes unused; r0 a multiple of kRepackRows) and gives, bit
+// for bit, what MatmulKernel::rows gives on the original.
+constexpr int64_t kRepackRows = 16;
+struct PackedMatmul {
+  size_t (*bytes)(int64_t rows, int64_t k);
+  void (*repack)(const void* w, size_t w_row_bytes, int64_t rows, int64_t k, void* out);
+  // Row r back in the file's block layout (a tied embedding table is looked up in the packed copy).
+  void (*unpack_row)(const void* packed, int64_t r, int64_t k, void* out);
+  void (*rows)(const void* w, size_t w_row_bytes, int64_t r0, int64_t r1, const void* x, size_t x_row_bytes,
+               int64_t n_tokens, int64_t k, float* y, int64_t ldy);
+};
+
 struct MatmulKernel {
   DType act_type = DType::F32;
   // Converts n_tokens float rows of length k into act_type rows (x_row_bytes apart). Null for F32.
   void (*quantize_act)(const float* x, int64_t n_tokens, int64_t k, void* out) = nullptr;
   void (*rows)(const void* w, size_t w_row_bytes, int64_t r0, int64_t r1, const void* x, size_t x_row_bytes,
                int64_t n_tokens, int64_t k, float* y, int64_t ldy) = nullptr;
+  const PackedMatmul* packed = nullptr;  // null: no repacked layout at this level
 };
 
 struct KernelTable {
@@ -41,6 +56,14 @@ struct KernelTable {
   // In-place softmax over n values; returns nothing, input must be finite or -inf.
   void (*softmax)(float* x, int64_t n);
   void (*axpy_f16)(float a, const uint16_t* x, float* y, int64_t n);  // y += a * x, x in IEEE half
+  // For v < n_vec: y[v * ldy ...] += a[v * lda + p] * x[p * ldx ...] for p = 0..n_rows-1 in order: per
+  // element the same operations as n_rows axpy_f16 calls, with the n_vec outputs kept in registers while
+  // each x row is widened once (attention's weighted sums of an F16 V cache for a group of tokens).
+  void (*axpy_f16_rows)(const float* a, size_t lda, int64_t n_vec, const uint16_t* x, size_t ldx, int64_t n_rows,
+                        float* y, size_t ldy, int64_t n);
+  // y = x rounded to IEEE half and back (round to nearest even); y may alias x.
+  void (*round_f16)(const float* x, float* y, int64_t n);
+  void (*to_f16)(const float* x, uint16_t* y, int64_t n);  // round to nearest even
 };
 
 const KernelTable& kernels_for(KernelLevel level);
@@ -52,5 +75,9 @@ void dequantize_row(DType type, const void* src, float* dst, int64_t n);
 // RoPE as llama.cpp's LLAMA architecture applies it ("normal" mode): rotate adjacent pairs (x[2i], x[2i+1])
 // of the first n_rot dims of each head by angle pos * theta^(-2i/n_rot).
 void rope_inplace(float* x, int64_t n_heads, int64_t head_dim, int64_t n_rot, int64_t pos, float theta);
+// rope_inplace in two steps, so the q and k rows of one position share one table: cs[2i], cs[2i+1] = cos, sin
+// of pair i's angle (n_rot floats), then the rotation of each head with it. Same operations, same bits.
+void rope_angles(int64_t n_rot, int64_t pos, float theta, float* cs);
+void rope_apply(float* x, int64_t n_heads, int64_t head_dim, int64_t n_rot, const float* cs);
 
 }  // namespace merlin::kernels

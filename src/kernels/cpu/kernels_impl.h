@@ -37,7 +37,11 @@ enum ScratchSlot : int { kScratchPackedW = 0, kScratchWeightRow = 1, kScratchRop
   void axpy(float a, const float* x, float* y, int64_t n);                         \
   void add(const float* a, const float* b, float* out, int64_t n);                 \
   void softmax(float* x, int64_t n);                                               \
-  void axpy_f16(float a, const uint16_t* x, float* y, int64_t n);
+  void axpy_f16(float a, const uint16_t* x, float* y, int64_t n);                 \
+  void axpy_f16_rows(const float* a, size_t lda, int64_t n_vec, const uint16_t* x, size_t ldx, int64_t n_rows,     \
+                     float* y, size_t ldy, int64_t n);                                                             \
+  void round_f16(const float* x, float* y, int64_t n);                             \
+  void to_f16(const float* x, uint16_t* y, int64_t n);
 
 }  // namespace merlin::kernels::detail
 

@@ -112,6 +112,29 @@ void axpy_f16(float a, const uint16_t* x, float* y, int64_t n) {
   }
 }
 
+void axpy_f16_rows(const float* a, size_t lda, int64_t n_vec, const uint16_t* x, size_t ldx, int64_t n_rows, float* y,
+                   size_t ldy, int64_t n) {
+  for (int64_t v = 0; v < n_vec; ++v)
+    for (int64_t p = 0; p < n_rows; ++p) axpy_f16(a[v * lda + p], x + (size_t)p * ldx, y + v * ldy, n);
+}
+
+// F16C conversions; the tail goes through a zero-padded 8-element buffer.
+void to_f16(const float* x, uint16_t* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+  if (i < n) {
+    alignas(16) uint16_t tail[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(tail), _mm256_cvtps_ph(load(x + i, n - i), _MM_FROUND_TO_NEAREST_INT));
+    for (int64_t j = i; j < n; ++j) y[j] = tail[j - i];
+  }
+}
+
+void round_f16(const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8)
+    store(y + i, n - i, _mm256_cvtph_ps(_mm256_cvtps_ph(load(x + i, n - i), _MM_FROUND_TO_NEAREST_INT)));
+}
+
 void add(const float* a, const float* b, float* out, int64_t n) {
   for (int64_t i = 0; i < n; i += 8) store(out + i, n - i, _mm256_add_ps(load(a + i, n - i), load(b + i, n - i)));
 }

@@ -9,9 +9,17 @@
 namespace merlin::kernels::quant::avx2 {
 namespace {
 
+// Batch invariance (see quant_avx512.cpp): only the 32-element block types accumulate in the GEMM exactly
+// as in the tiles; the super-block types run their tiles for every token count.
+constexpr bool gemm_matches_tiles(DType type) {
+  return type == DType::Q8_0 || type == DType::Q4_0 || type == DType::MXFP4;
+}
+
 template <DType Type, template <int, int> class Tile>
 void matmul(MERLIN_MATMUL_ARGS) {
-  if (n_tokens >= gemm_min_tokens(Type, false) && gemm(Type, w, w_row_bytes, r0, r1, x, x_row_bytes, n_tokens, k, y, ldy)) return;
+  if (gemm_matches_tiles(Type) && n_tokens >= gemm_min_tokens(Type, false) &&
+      gemm(Type, w, w_row_bytes, r0, r1, x, x_row_bytes, n_tokens, k, y, ldy))
+    return;
   const Args a{static_cast<const char*>(w), w_row_bytes, static_cast<const char*>(x), x_row_bytes, k, y, ldy};
   run_tiles<Tile, 4, 2>(a, r0, r1, n_tokens);
 }

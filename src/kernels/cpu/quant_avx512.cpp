@@ -8,9 +8,17 @@
 namespace merlin::kernels::quant::avx512 {
 namespace {
 
+// Batch invariance: an output must not depend on how many tokens share the call. The GEMM accumulates per
+// 32-element block exactly as the TileQ32 decode tiles do; the super-block tiles of Q4_K and the ternary
+// types sum a whole 256-element super-block in integers first, which the GEMM cannot reproduce, so those
+// types run their tiles for every token count (about 20% slower prefill than the GEMM, decode unchanged).
+constexpr bool gemm_matches_tiles(DType type) {
+  return type == DType::Q8_0 || type == DType::Q4_0 || type == DType::MXFP4;
+}
+
 template <DType Type, template <int, int> class Tile>
 void matmul(MERLIN_MATMUL_ARGS) {
-  if (n_tokens >= gemm_min_tokens(Type, true)) {
+  if (gemm_matches_tiles(Type) && n_tokens >= gemm_min_tokens(Type, true)) {
     gemm(Type, w, w_row_bytes, r0, r1, x, x_row_bytes, n_tokens, k, y, ldy);
     return;
   }
@@ -18,8 +26,8 @@ void matmul(MERLIN_MATMUL_ARGS) {
   run_tiles<Tile, 4, 4>(a, r0, r1, n_tokens);
 }
 
-const MatmulKernel kQ8_0{DType::Q8_0, &quantize_rows_q8_0, &matmul<DType::Q8_0, TileQ8_0>};
-const MatmulKernel kQ4_0{DType::Q8_0, &quantize_rows_q8_0, &matmul<DType::Q4_0, TileQ4_0>};
+const MatmulKernel kQ8_0{DType::Q8_0, &quantize_rows_q8_0, &matmul<DType::Q8_0, TileQ8_0>, &kPackedQ8_0};
+const MatmulKernel kQ4_0{DType::Q8_0, &quantize_rows_q8_0, &matmul<DType::Q4_0, TileQ4_0>, &kPackedQ4_0};
 const MatmulKernel kMxfp4{DType::Q8_0, &quantize_rows_q8_0, &matmul<DType::MXFP4, TileMxfp4>};
 const MatmulKernel kQ4_K{DType::Q8_K, &quantize_rows_q8_k, &matmul<DType::Q4_K, TileQ4_K>};
 const MatmulKernel kTQ1_0{DType::Q8_K, &quantize_rows_q8_k, &matmul<DType::TQ1_0, TileTQ1_0>};

@@ -73,8 +73,23 @@ struct WMxfp4 {
   static __m256 scale(const Block& b) { return _mm256_broadcast_ss(&kE8m0Half.v[b.e]); }
 };
 
+// Block sums of up to four rows: lane i = the sum of all lanes of p[i] (integer adds: exact in any order).
+template <int R>
+inline __m128i block_sums(const __m256i (&p)[R]) {
+  const __m256i z = _mm256_setzero_si256();
+  const __m256i h01 = _mm256_hadd_epi32(p[0], R > 1 ? p[R > 1 ? 1 : 0] : z);
+  const __m256i h23 = _mm256_hadd_epi32(R > 2 ? p[R > 2 ? 2 : 0] : z, R > 3 ? p[R > 3 ? 3 : 0] : z);
+  const __m256i h = _mm256_hadd_epi32(h01, h23);
+  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+// Batch invariance: per (row, token) this computes acc = fma(float(S_b), w_scale * x_scale, acc) over the
+// blocks b in order, with S_b the block's exact integer dot product: the same operations as the
+// token-parallel GEMM (quant_gemm_avx512.cpp), so an output never depends on how many tokens ran together.
+// Rows are processed four to an xmm (R <= 4; missing rows are zero lanes).
 template <class W, int R, int T>
 struct TileQ32 {
+  static_assert(R >= 1 && R <= 4);
   static void run(const Args& a, int64_t r, int64_t t0) {
     using Act = ActQ8_0<W::kBias>;
     const typename W::Block* w[R];
@@ -83,24 +98,36 @@ struct TileQ32 {
     for (int i = 0; i < R; ++i) w[i] = a.wrow<typename W::Block>(r + i);
 #pragma GCC unroll 16
     for (int t = 0; t < T; ++t) x[t] = a.xrow<BlockQ8_0>(t0 + t);
-    __m256 acc[R][T];
-    zero_tile(acc);
-    for (int64_t b = 0; b < a.k / kQK32; ++b) {
-      Act xb[T];
+    __m128 acc[T];
 #pragma GCC unroll 16
-      for (int t = 0; t < T; ++t) xb[t] = Act::load(x[t][b]);
+    for (int t = 0; t < T; ++t) acc[t] = _mm_setzero_ps();
+    for (int64_t b = 0; b < a.k / kQK32; ++b) {
+      __m256i wq[R];
+      alignas(16) float wd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
-        const __m256i wq = W::quants(w[i][b]);
-        const __m256 wd = W::scale(w[i][b]);
+        wq[i] = W::quants(w[i][b]);
+        wd[i] = _mm256_cvtss_f32(W::scale(w[i][b]));
+      }
+      const __m128 wd4 = _mm_load_ps(wd);
 #pragma GCC unroll 16
-        for (int t = 0; t < T; ++t) {
-          const __m256i p = W::kUnsigned ? dot_u8s8(xb[t].start, wq, xb[t].q) : dot_s8s8(xb[t].start, wq, xb[t].q);
-          acc[i][t] = _mm256_fmadd_ps(_mm256_mul_ps(wd, xb[t].d), _mm256_cvtepi32_ps(p), acc[i][t]);
-        }
+      for (int t = 0; t < T; ++t) {
+        const Act xb = Act::load(x[t][b]);
+        __m256i p[R];
+#pragma GCC unroll 16
+        for (int i = 0; i < R; ++i)
+          p[i] = W::kUnsigned ? dot_u8s8(xb.start, wq[i], xb.q) : dot_s8s8(xb.start, wq[i], xb.q);
+        const __m128 s = _mm_mul_ps(wd4, _mm256_castps256_ps128(xb.d));
+        acc[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(block_sums<R>(p)), s, acc[t]);
       }
     }
-    store_tile(a, r, t0, acc);
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) {
+      alignas(16) float out[4];
+      _mm_store_ps(out, acc[t]);
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) a.y[(t0 + t) * a.ldy + r + i] = out[i];
+    }
   }
 };
 

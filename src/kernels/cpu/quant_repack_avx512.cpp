@@ -1,0 +1,209 @@
+// Row-interleaved ("repacked") Q8_0 and Q4_0 weights for AVX-512 VNNI, made once at load by the backend.
+//
+// Layout: rows in groups of kRepackRows = 16 (the last group padded with zero rows); per group, per
+// 32-element block, the 16 rows' fp16 scales (32 bytes) followed by the quants in 64-byte chunks whose
+// 32-bit lane i holds 4 bytes of row i:
+//   Q8_0: 8 chunks, chunk u = quants 4u..4u+3, biased to unsigned (xor 0x80);
+//   Q4_0: 4 chunks, chunk u = the file's nibble bytes 4u..4u+3 (low nibbles: elements 4u.., high: 16 + 4u..).
+// A group-block is exactly 16 of the file's blocks, so the copy costs no extra memory.
+//
+// Why: one vpdpbusd of a chunk against 4 activation bytes broadcast from memory gives 16 rows' partial dot
+// products in 16 lanes, so a block's integer sums need no horizontal reduction and the 16 scales arrive
+// with one vcvtph2ps. Decode and prefill run the same tiles (16 rows x 1..8 tokens), and per (row, token)
+// they compute acc = fma(float(S_b), w_scale * x_scale, acc) block by block with S_b the block's exact
+// integer dot product: the operations of the row-major tiles and GEMM, so results are bitwise identical to
+// the unrepacked kernels and independent of the number of tokens (batch invariance).
+#define MERLIN_QUANT_LEVEL avx512
+#include "kernels/cpu/quant_impl.h"
+#include "kernels/cpu/quant_simd.h"
+
+namespace merlin::kernels::quant::avx512 {
+namespace {
+
+constexpr int kRows = kRepackRows;
+constexpr int kScaleBytes = kRows * 2;
+
+struct FmtQ8_0 {
+  using Block = BlockQ8_0;
+  static constexpr int kChunks = 8;
+  static constexpr int kBias = 128;
+  static void put(const Block& b, int row, uint8_t* gb) {
+    __builtin_memcpy(gb + 2 * row, &b.d, 2);
+    for (int u = 0; u < kChunks; ++u) {
+      uint32_t v;
+      __builtin_memcpy(&v, b.qs + 4 * u, 4);
+      v ^= 0x80808080u;
+      __builtin_memcpy(gb + kScaleBytes + 64 * u + 4 * row, &v, 4);
+    }
+  }
+};
+
+struct FmtQ4_0 {
+  using Block = BlockQ4_0;
+  static constexpr int kChunks = 4;
+  static constexpr int kBias = 8;
+  static void put(const Block& b, int row, uint8_t* gb) {
+    __builtin_memcpy(gb + 2 * row, &b.d, 2);
+    for (int u = 0; u < kChunks; ++u) __builtin_memcpy(gb + kScaleBytes + 64 * u + 4 * row, b.qs + 4 * u, 4);
+  }
+};
+
+template <class F>
+constexpr size_t group_block_bytes() { return kScaleBytes + 64 * F::kChunks; }
+
+// Inverse of F::put: row `row` of a group-block back to a file block (Q8_0 quants lose their bias).
+template <class F>
+void get(const uint8_t* gb, int row, typename F::Block& b) {
+  __builtin_memcpy(&b.d, gb + 2 * row, 2);
+  for (int u = 0; u < F::kChunks; ++u) {
+    uint32_t v;
+    __builtin_memcpy(&v, gb + kScaleBytes + 64 * u + 4 * row, 4);
+    if (F::kBias == 128) v ^= 0x80808080u;
+    __builtin_memcpy(b.qs + 4 * u, &v, 4);
+  }
+}
+static_assert(group_block_bytes<FmtQ8_0>() == kRows * sizeof(BlockQ8_0));
+static_assert(group_block_bytes<FmtQ4_0>() == kRows * sizeof(BlockQ4_0));
+
+template <class F>
+size_t packed_bytes(int64_t rows, int64_t k) {
+  return (size_t)((rows + kRows - 1) / kRows) * (size_t)(k / kQK32) * group_block_bytes<F>();
+}
+
+template <class F>
+void repack(const void* w, size_t w_row_bytes, int64_t rows, int64_t k, void* out) {
+  const int64_t nb = k / kQK32, groups = (rows + kRows - 1) / kRows;
+  auto* o = static_cast<uint8_t*>(out);
+  __builtin_memset(o, 0, packed_bytes<F>(rows, k));  // padded rows: zero scales and quants
+  for (int64_t g = 0; g < groups; ++g)
+    for (int i = 0; i < kRows && g * kRows + i < rows; ++i) {
+      const auto* row = reinterpret_cast<const typename F::Block*>(static_cast<const char*>(w) +
+                                                                    (g * kRows + i) * w_row_bytes);
+      for (int64_t b = 0; b < nb; ++b) F::put(row[b], i, o + (g * nb + b) * group_block_bytes<F>());
+    }
+}
+
+template <class F>
+void unpack_row(const void* packed, int64_t r, int64_t k, void* out) {
+  const int64_t nb = k / kQK32;
+  const auto* g = static_cast<const uint8_t*>(packed) + (r / kRows) * nb * group_block_bytes<F>();
+  auto* blocks = static_cast<typename F::Block*>(out);
+  for (int64_t b = 0; b < nb; ++b) get<F>(g + b * group_block_bytes<F>(), (int)(r % kRows), blocks[b]);
+}
+
+// Per token and block: the activation scale and the integer start value -bias * sum(quants), which turns
+// the dot product with unsigned (biased) weights back into the signed one.
+struct ActInfo {
+  const float* d;      // [token][block]
+  const int32_t* start;  // [token][block]
+};
+
+template <class F>
+ActInfo act_info(const char* x, size_t x_row_bytes, int64_t n_tokens, int64_t nb) {
+  float* mem = detail::scratch_floats(detail::kScratchWeightRow, (size_t)(2 * n_tokens * nb));
+  int32_t* start = reinterpret_cast<int32_t*>(mem + n_tokens * nb);
+  const __m256i ones = _mm256_set1_epi8(1);
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    const auto* xb = reinterpret_cast<const BlockQ8_0*>(x + t * x_row_bytes);
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256i s8 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, loadu(xb[b].qs));
+      const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+      const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+      const int32_t sum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
+      mem[t * nb + b] = half(xb[b].d);
+      start[t * nb + b] = -F::kBias * sum;
+    }
+  }
+  return {mem, start};
+}
+
+// acc += dot(u, 4 signed bytes at p broadcast to every lane), with the broadcast folded into the
+// instruction ({1to16}); GCC would emit a separate vpbroadcastd per product.
+typedef int32_t AliasedI32 __attribute__((may_alias, aligned(1)));
+inline __m512i dot_bcast(__m512i acc, __m512i u, const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const AliasedI32*>(p)));
+  return acc;
+}
+
+// 16 rows (group g) x T tokens from t0.
+template <class F, int T>
+void tile(const uint8_t* gw, int64_t nb, const char* x, size_t x_row_bytes, const ActInfo& ai, int64_t t0,
+          float* y, int64_t ldy, __mmask16 keep) {
+  const BlockQ8_0* xr[T];
+#pragma GCC unroll 16
+  for (int t = 0; t < T; ++t) xr[t] = reinterpret_cast<const BlockQ8_0*>(x + (t0 + t) * x_row_bytes);
+  __m512 acc[T];
+#pragma GCC unroll 16
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, gw += group_block_bytes<F>()) {
+    const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gw)));
+    __m512i s[T];
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) s[t] = _mm512_set1_epi32(ai.start[(t0 + t) * nb + b]);
+    const uint8_t* q = gw + kScaleBytes;
+    if constexpr (F::kChunks == 8) {
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) {
+        const __m512i wv = _mm512_loadu_si512(q + 64 * u);
+#pragma GCC unroll 16
+        for (int t = 0; t < T; ++t) s[t] = dot_bcast(s[t], wv, xr[t][b].qs + 4 * u);
+      }
+    } else {
+      const __m512i low = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        const __m512i raw = _mm512_loadu_si512(q + 64 * u);
+        const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+#pragma GCC unroll 16
+        for (int t = 0; t < T; ++t) {
+          s[t] = dot_bcast(s[t], lo, xr[t][b].qs + 4 * u);
+          s[t] = dot_bcast(s[t], hi, xr[t][b].qs + 16 + 4 * u);
+        }
+      }
+    }
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) {
+      const __m512 sc = _mm512_mul_ps(wd, _mm512_set1_ps(ai.d[(t0 + t) * nb + b]));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[t]), sc, acc[t]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(y + (t0 + t) * ldy, keep, acc[t]);
+}
+
+constexpr int kTmax = 8;
+// Tokens per pass over the row groups: their activations (plus the group's weights) stay in L2.
+constexpr int64_t kTokenChunk = 64;
+
+template <class F>
+void rows_packed(MERLIN_MATMUL_ARGS) {
+  (void)w_row_bytes;
+  using TileFn = void (*)(const uint8_t*, int64_t, const char*, size_t, const ActInfo&, int64_t, float*, int64_t,
+                          __mmask16);
+  static constexpr TileFn kTiles[kTmax] = {&tile<F, 1>, &tile<F, 2>, &tile<F, 3>, &tile<F, 4>,
+                                           &tile<F, 5>, &tile<F, 6>, &tile<F, 7>, &tile<F, 8>};
+  const int64_t nb = k / kQK32;
+  const auto* xc = static_cast<const char*>(x);
+  const ActInfo ai = act_info<F>(xc, x_row_bytes, n_tokens, nb);
+  const auto* packed = static_cast<const uint8_t*>(w);
+  for (int64_t c0 = 0; c0 < n_tokens; c0 += kTokenChunk) {
+    const int64_t c1 = n_tokens - c0 < kTokenChunk ? n_tokens : c0 + kTokenChunk;
+    for (int64_t r = r0; r < r1; r += kRows) {
+      const int64_t left = r1 - r;
+      const __mmask16 keep = left >= kRows ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+      const uint8_t* gw = packed + (r / kRows) * nb * group_block_bytes<F>();
+      for (int64_t t = c0; t < c1;) {
+        const int64_t nt = c1 - t < kTmax ? c1 - t : kTmax;
+        kTiles[nt - 1](gw, nb, xc, x_row_bytes, ai, t, y + r, ldy, keep);
+        t += nt;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+const PackedMatmul kPackedQ8_0{&packed_bytes<FmtQ8_0>, &repack<FmtQ8_0>, &unpack_row<FmtQ8_0>, &rows_packed<FmtQ8_0>};
+const PackedMatmul kPackedQ4_0{&packed_bytes<FmtQ4_0>, &repack<FmtQ4_0>, &unpack_row<FmtQ4_0>, &rows_packed<FmtQ4_0>};
+
+}  // namespace merlin::kernels::quant::avx512

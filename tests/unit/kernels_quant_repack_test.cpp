@@ -1,0 +1,142 @@
+// Load-time repacked layouts (kernels::PackedMatmul, AVX-512 Q8_0 and Q4_0): rows must read back exactly,
+// and on awkward shapes (rows not a multiple of the 16-row group, one row, huge k, row sub-ranges, ldy > rows)
+// the packed kernel must give
+// bit for bit what the row-major kernel of the same level gives (the runtime mixes them and relies on batch
+// invariance), must be independent of the number of tokens per call, and must stay close to the scalar
+// oracle.
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/cpu_features.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "kernels/cpu/kernels.h"
+#include "kernels/cpu/quant.h"
+#include "kernels/cpu/quant_formats.h"
+#include "test_util.h"
+
+using namespace merlin;
+using namespace merlin::kernels;
+
+namespace {
+
+struct Case {
+  int64_t rows, k, n_tokens;
+  int64_t r0, r1;  // r0 a multiple of kRepackRows
+  int64_t ldy;
+};
+
+std::string describe(DType type, const Case& c, bool raw) {
+  return cat(dtype_name(type), " rows ", c.rows, " k ", c.k, " tokens ", c.n_tokens, " range [", c.r0, ",", c.r1,
+             ") ldy ", c.ldy, raw ? " raw" : " quantized");
+}
+
+// Weights from the quantizer, or raw random bytes with finite scales (reaches Q8_0's -128).
+std::vector<uint8_t> make_weights(DType type, const Case& c, bool raw, uint32_t seed) {
+  const size_t w_row = dtype_row_bytes(type, (uint64_t)c.k);
+  std::vector<uint8_t> w(w_row * c.rows);
+  std::mt19937 rng(seed);
+  if (raw) {
+    for (uint8_t& b : w) b = (uint8_t)rng();
+    const size_t block = dtype_info(type).block_bytes;
+    std::uniform_real_distribution<float> d(-0.05f, 0.05f);
+    for (size_t off = 0; off < w.size(); off += block) {
+      const uint16_t h = f32_to_fp16(d(rng));
+      std::memcpy(&w[off], &h, 2);  // both block types start with their fp16 scale
+    }
+  } else {
+    std::normal_distribution<float> dist(0.0f, 0.05f);
+    std::vector<float> wf((size_t)c.k);
+    for (int64_t r = 0; r < c.rows; ++r) {
+      for (float& f : wf) f = dist(rng);
+      quant_quantize_row(type, wf.data(), &w[r * w_row], c.k);
+    }
+  }
+  return w;
+}
+
+void check_case(DType type, const Case& c, bool raw, uint32_t seed) {
+  const MatmulKernel* ref = quant_matmul_kernel(type, KernelLevel::Scalar);
+  const MatmulKernel* simd = quant_matmul_kernel(type, KernelLevel::Avx512);
+  ASSERT_NE(simd->packed, nullptr);
+  const PackedMatmul& pm = *simd->packed;
+  const size_t w_row = dtype_row_bytes(type, (uint64_t)c.k), x_row = dtype_row_bytes(simd->act_type, (uint64_t)c.k);
+  const std::vector<uint8_t> w = make_weights(type, c, raw, seed);
+  std::vector<uint8_t> packed(pm.bytes(c.rows, c.k));
+  pm.repack(w.data(), w_row, c.rows, c.k, packed.data());
+  std::vector<uint8_t> row(w_row);
+  for (int64_t r = 0; r < c.rows; ++r) {  // rows read back (tied embedding lookups)
+    pm.unpack_row(packed.data(), r, c.k, row.data());
+    ASSERT_EQ(0, std::memcmp(row.data(), &w[r * w_row], w_row)) << describe(type, c, raw) << ": row " << r;
+  }
+
+  std::mt19937 rng(seed + 1);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> xf((size_t)(c.n_tokens * c.k));
+  for (float& f : xf) f = dist(rng);
+  std::vector<uint8_t> x(x_row * c.n_tokens);
+  simd->quantize_act(xf.data(), c.n_tokens, c.k, x.data());
+
+  const float kSentinel = 1234.5f;
+  std::vector<float> y_rows(c.n_tokens * c.ldy, kSentinel), y_packed(y_rows), y_one(y_rows), y_ref(y_rows);
+  simd->rows(w.data(), w_row, c.r0, c.r1, x.data(), x_row, c.n_tokens, c.k, y_rows.data(), c.ldy);
+  ref->rows(w.data(), w_row, c.r0, c.r1, x.data(), x_row, c.n_tokens, c.k, y_ref.data(), c.ldy);
+  pm.rows(packed.data(), 0, c.r0, c.r1, x.data(), x_row, c.n_tokens, c.k, y_packed.data(), c.ldy);
+  for (int64_t t = 0; t < c.n_tokens; ++t)  // one token per call: batch invariance
+    pm.rows(packed.data(), 0, c.r0, c.r1, &x[t * x_row], x_row, 1, c.k, &y_one[t * c.ldy], c.ldy);
+
+  int bad = 0;
+  for (int64_t t = 0; t < c.n_tokens; ++t)
+    for (int64_t i = 0; i < c.ldy; ++i) {
+      const size_t at = (size_t)(t * c.ldy + i);
+      if (i < c.r0 || i >= c.r1) {
+        if ((y_packed[at] != kSentinel || y_one[at] != kSentinel) && bad++ < 5)
+          ADD_FAILURE() << describe(type, c, raw) << ": wrote outside its rows at token " << t << " row " << i;
+        continue;
+      }
+      const bool same = std::memcmp(&y_packed[at], &y_rows[at], 4) == 0 && std::memcmp(&y_one[at], &y_rows[at], 4) == 0;
+      const double tol = 1e-4 * (std::fabs((double)y_ref[at]) + 1.0);
+      if ((!same || !(std::fabs((double)y_ref[at] - y_packed[at]) <= tol)) && bad++ < 5)
+        ADD_FAILURE() << describe(type, c, raw) << ": token " << t << " row " << i << " rows " << y_rows[at]
+                      << " packed " << y_packed[at] << " one-token " << y_one[at] << " scalar " << y_ref[at];
+    }
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (int64_t rows : {1, 15, 16, 17, 50})
+    for (int64_t n_tokens : {1, 3, 8, 9, 70}) out.push_back({rows, 96, n_tokens, 0, rows, rows});
+  out.push_back({40, 32, 5, 16, 37, 45});     // sub-range starting at a group, ending inside one
+  out.push_back({70, 768, 20, 32, 70, 71});   // ldy beyond the rows
+  out.push_back({33, 16384, 2, 0, 33, 33});   // huge k
+  out.push_back({18, 16416, 11, 16, 18, 18}); // odd number of blocks, last group of two rows
+  return out;
+}
+
+}  // namespace
+
+class QuantRepack : public ::testing::TestWithParam<DType> {};
+
+TEST_P(QuantRepack, PackedMatchesRowMajorBitwise) {
+  if (best_kernel_level() < KernelLevel::Avx512) GTEST_SKIP() << "no AVX-512 VNNI on this CPU";
+  uint32_t seed = 1;
+  for (const Case& c : cases())
+    for (bool raw : {false, true}) {
+      check_case(GetParam(), c, raw, seed++);
+      if (HasFatalFailure()) return;
+    }
+}
+
+// Lower levels have no packed layout: the runtime then keeps the file's rows.
+TEST_P(QuantRepack, OnlyAvx512HasAPackedLayout) {
+  EXPECT_EQ(quant_matmul_kernel(GetParam(), KernelLevel::Scalar)->packed, nullptr);
+  if (best_kernel_level() >= KernelLevel::Avx2) {
+    EXPECT_EQ(quant_matmul_kernel(GetParam(), KernelLevel::Avx2)->packed, nullptr);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Types, QuantRepack, ::testing::Values(DType::Q8_0, DType::Q4_0),
+                         [](const ::testing::TestParamInfo<DType>& i) { return std::string(dtype_name(i.param)); });
