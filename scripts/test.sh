@@ -20,6 +20,8 @@ t0=$SECONDS
 bash "$ROOT/scripts/setup.sh" all || { echo "test.sh: setup/build failed" >&2; exit 1; }
 # llama.cpp (prebuilt, from npm) for the interoperability tests; they skip if this fails.
 bash "$ROOT/tests/interop/install.sh" || echo "test.sh: llama.cpp interop install failed; interop tests will skip" >&2
+# The official OpenAI SDK for the server's integration tests; they skip if this fails.
+bash "$ROOT/tests/serve/install.sh" || echo "test.sh: openai SDK install failed; server SDK tests will skip" >&2
 t_setup=$((SECONDS - t0))
 
 t1=$SECONDS

@@ -74,7 +74,9 @@ struct EngineStats {
   uint64_t requests_finished = 0, prompt_tokens = 0, cached_prompt_tokens = 0, generated_tokens = 0;
   uint64_t steps = 0, preemptions = 0;
   int running = 0, waiting = 0;
-  int kv_blocks_total = 0, kv_blocks_free = 0, kv_blocks_cached = 0;  // cached: free but holding a reusable prefix
+  // free: not held by any sequence (what new requests can get), including `cached`: free but holding a
+  // reusable prefix (evicted least recently used first when blocks run short).
+  int kv_blocks_total = 0, kv_blocks_free = 0, kv_blocks_cached = 0;
   int kv_block_size = 0;
   double generated_tokens_per_second = 0;  // over the last few seconds of steps
 };

@@ -25,6 +25,7 @@ Action add_plot(CLI::App& app);
 Action add_quantize(CLI::App& app);  // quantization tools: cmd_quantize/perplexity/bench.cpp
 Action add_perplexity(CLI::App& app);
 Action add_bench(CLI::App& app);
+Action add_serve(CLI::App& app);  // cmd_serve.cpp: the OpenAI-compatible HTTP server
 
 // Model shape flags shared by `init` and `train`: a preset plus optional overrides.
 struct ModelFlags {

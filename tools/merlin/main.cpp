@@ -25,6 +25,7 @@ int main(int argc, char** argv) {
   add("quantize", "convert a model's weights to another type (q8_0, q4_0, q4_k, ...)", merlin::cli::add_quantize);
   add("perplexity", "perplexity of a model on a text file (llama-perplexity's method), optional KL to a base model", merlin::cli::add_perplexity);
   add("bench", "tokens/s of prompt processing and generation, peak memory, memory bandwidth", merlin::cli::add_bench);
+  add("serve", "serve a model over an OpenAI-compatible HTTP API (continuous batching)", merlin::cli::add_serve);
 
   // CLI11 reports a misspelt command or a stray flag before the subcommand as "A subcommand is required";
   // name the real problem instead.

@@ -1,0 +1,52 @@
+// Per-request sampling for the server: OpenAI presence/frequency penalties over the generated tokens, then
+// the chain of runtime's Sampler (top-k -> top-p -> min-p at temperature 1, then temperature) with the
+// request's own RNG, so a seeded request draws the same tokens whatever else runs. Unlike Sampler it never
+// sorts the whole vocabulary (a 50K-entry sort per token and request would dominate a 32-request step): it
+// sorts only the few best candidates the filters can keep. Log-probabilities are of the unmodified logits,
+// as OpenAI reports them.
+#pragma once
+#include <cstdint>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "core/rng.h"
+#include "serve/engine.h"
+
+namespace merlin::serve {
+
+class RequestSampler {
+ public:
+  RequestSampler(const SamplingParams& params, uint64_t seed);
+  // Picks the next token from a row of logits (the row is not modified).
+  int32_t sample(const float* logits, int64_t n_vocab);
+  // Records a generated token for the penalties.
+  void accept(int32_t token);
+
+ private:
+  struct Candidate {
+    int32_t id;
+    float logit;
+  };
+  void sort_best(const float* logits, int64_t n_vocab, size_t n);
+  size_t nucleus(const float* logits, int64_t n_vocab, float max_logit);
+  int32_t draw(const float* logits, int64_t n_vocab, float max_logit, size_t n_kept);
+
+  SamplingParams params_;
+  Rng rng_;
+  std::unordered_map<int32_t, int> counts_;
+  std::vector<float> work_;         // penalised logits
+  std::vector<Candidate> cand_;     // the best candidates, sorted (logit descending, then id)
+  std::vector<double> weights_;
+};
+
+// The token runtime's argmax() picks (the first index of the largest value; NaNs never win, and a NaN in
+// front gives 0), vectorized: greedy decoding of 32 sequences runs it over 32 x 50K logits per step on the
+// engine thread while the worker threads wait.
+int32_t greedy_token(const float* logits, int64_t n);
+
+// log_softmax(logits)[token], and the `top_n` most likely tokens with theirs (most likely first, ties by id).
+float token_logprob(const float* logits, int64_t n_vocab, int32_t token, int top_n,
+                    std::vector<std::pair<int32_t, float>>* top);
+
+}  // namespace merlin::serve

@@ -1,0 +1,381 @@
+#include "serve/scheduler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "core/error.h"
+#include "core/sys.h"
+#include "runtime/model.h"
+
+namespace merlin::serve {
+
+// ---------------------------------------------------------------------------------------------------------
+// StreamState
+
+StreamState::StreamState(GenerationRequest request, std::function<void()> on_cancel)
+    : request_(std::move(request)), on_cancel_(std::move(on_cancel)) {}
+
+bool StreamState::next(TokenEvent& event, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!cv_.wait_for(lock, timeout, [&] { return !events_.empty(); })) return false;
+  event = std::move(events_.front());
+  events_.pop_front();
+  return true;
+}
+
+void StreamState::cancel() {
+  if (cancelled_.exchange(true)) return;
+  if (on_cancel_) on_cancel_();  // wakes an idle engine so the blocks go back now
+}
+
+void StreamState::push(TokenEvent event) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    events_.push_back(std::move(event));
+  }
+  cv_.notify_all();
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Sequence: one request inside the scheduler.
+
+struct Scheduler::Sequence {
+  std::shared_ptr<StreamState> stream;
+  uint64_t arrival = 0;
+  int slot = -1;
+  std::vector<int32_t> tokens;  // prompt, then every sampled token; K/V exist for tokens[0 .. n_computed)
+  int n_prompt = 0;
+  int n_computed = 0;
+  int n_generated = 0;
+  std::vector<int32_t> blocks;  // block table: logical block i -> physical block
+  int n_registered = 0;         // leading full blocks already offered to the prefix cache
+  uint64_t chain_hash = PrefixCache::kRootHash;
+  RequestSampler sampler;
+  bool admitted_once = false;
+  bool in_batch = false;  // has a row in the batch being built
+  bool done = false;      // finished or cancelled; removed from running_ at the end of the step
+
+  Sequence(std::shared_ptr<StreamState> st, uint64_t arr, uint64_t seed)
+      : stream(std::move(st)), arrival(arr), sampler(stream->request().sampling, seed) {
+    tokens = stream->request().prompt;
+    n_prompt = (int)tokens.size();
+  }
+  const GenerationRequest& request() const { return stream->request(); }
+  int remaining() const { return (int)tokens.size() - n_computed; }
+};
+
+namespace {
+
+int blocks_for(int positions, int block_size) { return (positions + block_size - 1) / block_size; }
+
+}  // namespace
+
+Scheduler::Scheduler(const Model& model, Backend& backend, const EngineOptions& opts)
+    : model_(model), backend_(backend), opts_(opts), block_size_(backend.kv_block_size()),
+      n_ctx_(backend.n_ctx()), vocab_(model.config().vocab_size), eos_(model.tokenizer().eos_id()),
+      cache_(backend.n_kv_blocks(), backend.kv_block_size(), opts.prefix_cache) {
+  MERLIN_CHECK(opts_.max_sequences >= 1, "max_sequences must be at least 1");
+  MERLIN_CHECK(backend.n_seq() >= opts_.max_sequences, "the backend has ", backend.n_seq(),
+               " sequence slots, the engine needs ", opts_.max_sequences);
+  MERLIN_CHECK(opts_.prefill_chunk >= 1, "prefill_chunk must be at least 1");
+  MERLIN_CHECK(opts_.max_batch_tokens >= 1, "max_batch_tokens must be at least 1");
+  MERLIN_CHECK(opts_.max_queue >= 0, "max_queue must not be negative");
+  opts_.max_batch_tokens = std::min(opts_.max_batch_tokens, backend.max_batch());
+  slot_used_.assign((size_t)opts_.max_sequences, 0);
+  logits_.resize((size_t)std::min(opts_.max_sequences, opts_.max_batch_tokens) * (size_t)vocab_);
+  seed_counter_ = std::random_device{}();
+  seed_counter_ = (seed_counter_ << 32) ^ std::random_device{}();
+  // Every slot starts unmapped: only blocks this scheduler hands out are ever written.
+  for (int s = 0; s < opts_.max_sequences; ++s) backend_.set_block_table(s, {});
+  stats_.kv_blocks_total = cache_.n_blocks();
+  stats_.kv_block_size = block_size_;
+}
+
+Scheduler::~Scheduler() = default;
+
+void Scheduler::validate(const GenerationRequest& r) const {
+  MERLIN_CHECK(!r.prompt.empty(), "the prompt is empty");
+  for (int32_t t : r.prompt)
+    MERLIN_CHECK(t >= 0 && t < vocab_, "token id ", t, " is outside the vocabulary (0..", vocab_ - 1, ")");
+  MERLIN_CHECK(r.max_tokens >= 0, "max_tokens must not be negative (got ", r.max_tokens, ")");
+  MERLIN_CHECK((int64_t)r.prompt.size() + r.max_tokens <= n_ctx_, "prompt of ", r.prompt.size(), " tokens plus ",
+               r.max_tokens, " new tokens does not fit in the context of ", n_ctx_, " tokens");
+  MERLIN_CHECK(blocks_for((int)r.prompt.size() + r.max_tokens, block_size_) <= cache_.n_blocks(), "prompt of ",
+               r.prompt.size(), " tokens plus ", r.max_tokens, " new tokens needs more K/V blocks than the cache has (",
+               cache_.n_blocks(), " of ", block_size_, " positions)");
+  const SamplingParams& p = r.sampling;
+  MERLIN_CHECK(std::isfinite(p.temperature) && std::isfinite(p.top_p) && std::isfinite(p.min_p) &&
+                   std::isfinite(p.presence_penalty) && std::isfinite(p.frequency_penalty),
+               "sampling parameters must be finite numbers");
+  MERLIN_CHECK(p.top_logprobs <= 20, "top_logprobs must be at most 20 (got ", p.top_logprobs, ")");
+}
+
+void Scheduler::enqueue(std::shared_ptr<StreamState> stream) {
+  const std::optional<uint64_t> seed = stream->request().sampling.seed;
+  const uint64_t s = seed ? *seed : (seed_counter_ += 0x9e3779b97f4a7c15ull);
+  waiting_.push_back(std::make_unique<Sequence>(std::move(stream), next_arrival_++, s));
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// One step
+
+bool Scheduler::step() {
+  drop_cancelled();
+  admit();
+  remove_finished();
+  if (running_.empty()) {
+    stats_.running = 0;
+    stats_.waiting = n_waiting();
+    return false;
+  }
+  if (build_batch()) run_batch();
+  remove_finished();
+  ++stats_.steps;
+  return true;
+}
+
+void Scheduler::drop_cancelled() {
+  for (auto& s : running_)
+    if (s->stream->cancelled()) finish(*s, final_event(FinishReason::Cancelled));
+  remove_finished();
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    if ((*it)->stream->cancelled()) {
+      finish(**it, final_event(FinishReason::Cancelled));
+      it = waiting_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void Scheduler::admit() {
+  while (!waiting_.empty()) {
+    Sequence& s = *waiting_.front();
+    if (s.request().max_tokens == 0) {  // nothing to generate: no need to compute the prompt at all
+      finish(s, final_event(FinishReason::Length));
+      waiting_.pop_front();
+      continue;
+    }
+    if (try_admit(s)) {
+      running_.push_back(std::move(waiting_.front()));
+      waiting_.pop_front();
+      std::sort(running_.begin(), running_.end(),
+                [](const SeqPtr& a, const SeqPtr& b) { return a->arrival < b->arrival; });
+      continue;
+    }
+    // Nothing runs and the oldest request still cannot start: it never will (validate() should have
+    // caught it). End it rather than wait forever.
+    if (!running_.empty()) break;  // first come, first served: a big request is not overtaken forever
+    finish(s, final_event(FinishReason::Error, "not enough K/V cache blocks for this request"));
+    waiting_.pop_front();
+  }
+}
+
+// Takes a slot and blocks for every token the sequence has so far (cached prefix blocks first); false,
+// with nothing held, when they are not available.
+bool Scheduler::try_admit(Sequence& s) {
+  const auto slot = std::find(slot_used_.begin(), slot_used_.end(), 0);
+  if (slot == slot_used_.end()) return false;
+  const int n = (int)s.tokens.size();
+  // At least the last token is computed again: its logits give the next token.
+  std::vector<int32_t> hit = cache_.match(s.tokens, (n - 1) / block_size_);
+  const int need = blocks_for(n, block_size_) - (int)hit.size();
+  if (cache_.n_available() < need) {
+    for (int32_t b : hit) cache_.release(b);
+    return false;
+  }
+  s.blocks = std::move(hit);
+  s.n_registered = (int)s.blocks.size();
+  s.chain_hash = PrefixCache::kRootHash;
+  const std::span<const int32_t> toks(s.tokens);
+  for (int i = 0; i < s.n_registered; ++i)
+    s.chain_hash = PrefixCache::block_hash(s.chain_hash, toks.subspan((size_t)i * block_size_, (size_t)block_size_));
+  s.n_computed = s.n_registered * block_size_;
+  while ((int)s.blocks.size() < blocks_for(n, block_size_)) s.blocks.push_back(*cache_.allocate());
+  s.slot = (int)(slot - slot_used_.begin());
+  *slot = 1;
+  backend_.set_block_table(s.slot, s.blocks);
+  if (!s.admitted_once) {
+    s.admitted_once = true;
+    const int cached = std::min(s.n_computed, s.n_prompt);
+    s.stream->set_cached_prompt(cached);
+    stats_.prompt_tokens += (uint64_t)s.n_prompt;
+    stats_.cached_prompt_tokens += (uint64_t)cached;
+  }
+  return true;
+}
+
+bool Scheduler::build_batch() {
+  batch_.clear();
+  rows_.clear();
+  int budget = opts_.max_batch_tokens;
+  for (auto& s : running_) s->in_batch = false;
+  // Decode tokens first, oldest sequence first: the oldest one always gets its block, preempting younger
+  // ones. Indexing (not iterators): a preemption removes the youngest sequence, never one before i.
+  for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
+    Sequence& s = *running_[i];
+    if (s.done || s.remaining() != 1 || s.n_computed < s.n_prompt) continue;
+    if (!ensure_blocks(s, s.n_computed + 1)) break;  // s itself was preempted: it was the youngest
+    add_tokens(s, 1);
+    --budget;
+  }
+  for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
+    Sequence& s = *running_[i];
+    if (s.done || s.in_batch || s.remaining() <= 0) continue;
+    const int n = std::min({s.remaining(), opts_.prefill_chunk, budget});
+    if (!ensure_blocks(s, s.n_computed + n)) break;
+    add_tokens(s, n);
+    budget -= n;
+  }
+  return batch_.size() > 0;
+}
+
+bool Scheduler::ensure_blocks(Sequence& s, int n_positions) {
+  const int need = blocks_for(n_positions, block_size_);
+  bool changed = false;
+  while ((int)s.blocks.size() < need) {
+    if (std::optional<int32_t> b = cache_.allocate()) {
+      s.blocks.push_back(*b);
+      changed = true;
+      continue;
+    }
+    // Out of blocks: the youngest running sequence gives its blocks back and is recomputed later. Work is
+    // batched oldest first, so that is s or one younger than s; sequences already in this step's batch
+    // are never touched.
+    Sequence* victim = nullptr;
+    for (auto it = running_.rbegin(); it != running_.rend() && victim == nullptr; ++it)
+      if (it->get() == &s || (!(*it)->done && !(*it)->in_batch)) victim = it->get();
+    if (victim == nullptr) return false;  // cannot happen (s itself qualifies); never loop forever
+    preempt(*victim);
+    if (victim == &s) return false;
+  }
+  if (changed) backend_.set_block_table(s.slot, s.blocks);
+  return true;
+}
+
+void Scheduler::preempt(Sequence& s) {
+  release_blocks(s);
+  s.n_computed = 0;
+  ++stats_.preemptions;
+  // Back to the waiting queue at its arrival place, ahead of younger requests. The object does not move
+  // (only its owner changes), so pointers to it stay valid.
+  const auto it = std::find_if(running_.begin(), running_.end(), [&](const SeqPtr& p) { return p.get() == &s; });
+  SeqPtr owned = std::move(*it);
+  running_.erase(it);
+  const auto pos =
+      std::find_if(waiting_.begin(), waiting_.end(), [&](const SeqPtr& w) { return w->arrival > s.arrival; });
+  waiting_.insert(pos, std::move(owned));
+}
+
+void Scheduler::add_tokens(Sequence& s, int n) {
+  const bool last_chunk = n == s.remaining();
+  for (int i = 0; i < n; ++i) {
+    const int p = s.n_computed + i;
+    batch_.add(s.tokens[(size_t)p], p, s.slot, last_chunk && i == n - 1);
+  }
+  rows_.push_back(Row{&s, n, last_chunk});
+  s.in_batch = true;
+}
+
+void Scheduler::run_batch() {
+  try {
+    backend_.forward(batch_, logits_.data());
+  } catch (const std::exception& e) {
+    fail_batch(e.what());
+    return;
+  }
+  const float* row = logits_.data();
+  for (const Row& r : rows_) {
+    after_forward(*r.seq, r.n_fed, r.logits ? row : nullptr);
+    if (r.logits) row += vocab_;
+  }
+  const double now = now_seconds();
+  rate_window_.emplace_back(now, stats_.generated_tokens);
+  while (rate_window_.size() > 2 && rate_window_.front().first < now - kRateWindowSeconds) rate_window_.pop_front();
+  const double dt = now - rate_window_.front().first;
+  stats_.generated_tokens_per_second =
+      dt > 0 ? (double)(stats_.generated_tokens - rate_window_.front().second) / dt : 0.0;
+}
+
+void Scheduler::after_forward(Sequence& s, int n_fed, const float* logits) {
+  s.n_computed += n_fed;
+  register_full_blocks(s);
+  if (logits) sample(s, logits);
+}
+
+void Scheduler::register_full_blocks(Sequence& s) {
+  const std::span<const int32_t> toks(s.tokens);
+  while ((s.n_registered + 1) * block_size_ <= s.n_computed) {
+    const auto blk = toks.subspan((size_t)s.n_registered * block_size_, (size_t)block_size_);
+    s.chain_hash = PrefixCache::block_hash(s.chain_hash, blk);
+    cache_.insert(s.chain_hash, blk, s.blocks[(size_t)s.n_registered]);
+    ++s.n_registered;
+  }
+}
+
+void Scheduler::sample(Sequence& s, const float* logits) {
+  const GenerationRequest& req = s.request();
+  TokenEvent ev;
+  ev.token = s.sampler.sample(logits, vocab_);
+  if (req.sampling.top_logprobs >= 0)
+    ev.logprob = token_logprob(logits, vocab_, ev.token, req.sampling.top_logprobs, &ev.top_logprobs);
+  if (req.stop_at_eos && ev.token == eos_) {
+    finish(s, final_event(FinishReason::Stop));  // EOS ends the text; it is not part of it
+    return;
+  }
+  s.tokens.push_back(ev.token);
+  s.sampler.accept(ev.token);
+  ++s.n_generated;
+  ++stats_.generated_tokens;
+  if (s.n_generated >= req.max_tokens) {
+    ev.finish = FinishReason::Length;
+    finish(s, std::move(ev));
+  } else {
+    s.stream->push(std::move(ev));
+  }
+}
+
+void Scheduler::finish(Sequence& s, TokenEvent last) {
+  if (s.done) return;
+  release_blocks(s);
+  s.done = true;
+  if (last.finish != FinishReason::Cancelled && last.finish != FinishReason::Error) ++stats_.requests_finished;
+  s.stream->push(std::move(last));
+}
+
+void Scheduler::release_blocks(Sequence& s) {
+  for (int32_t b : s.blocks) cache_.release(b);
+  s.blocks.clear();
+  s.n_registered = 0;
+  s.chain_hash = PrefixCache::kRootHash;
+  if (s.slot >= 0) {
+    backend_.clear_sequence(s.slot);
+    slot_used_[(size_t)s.slot] = 0;
+    s.slot = -1;
+  }
+}
+
+void Scheduler::remove_finished() {
+  running_.erase(std::remove_if(running_.begin(), running_.end(), [](const SeqPtr& s) { return s->done; }),
+                 running_.end());
+  stats_.running = n_running();
+  stats_.waiting = n_waiting();
+  stats_.kv_blocks_free = cache_.n_available();
+  stats_.kv_blocks_cached = cache_.n_idle_cached();
+}
+
+void Scheduler::fail_batch(const std::string& message) {
+  for (const Row& r : rows_) finish(*r.seq, final_event(FinishReason::Error, message));
+}
+
+void Scheduler::cancel_all() {
+  for (auto& s : running_) finish(*s, final_event(FinishReason::Cancelled));
+  for (auto& s : waiting_) finish(*s, final_event(FinishReason::Cancelled));
+  waiting_.clear();
+  remove_finished();
+}
+
+EngineStats Scheduler::stats() const { return stats_; }
+
+}  // namespace merlin::serve
