@@ -39,7 +39,7 @@ fi
 t0=$SECONDS
 mkdir -p "$BUILD"
 CC=clang CXX=clang++ cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DMERLIN_FUZZ=ON -DMERLIN_SANITIZE=ON -DMERLIN_BUILD_BENCH=OFF -DMERLIN_BUILD_TESTS=ON >"$BUILD/configure.log" 2>&1 ||
+  -DMERLIN_FUZZ=ON -DMERLIN_SANITIZE=ON -DMERLIN_BUILD_BENCH=OFF -DMERLIN_BUILD_TESTS=ON -DMERLIN_CUDA=OFF >"$BUILD/configure.log" 2>&1 ||
   { cat "$BUILD/configure.log"; die "configuring $BUILD failed"; }
 grep -qi clang "$BUILD/CMakeCache.txt" || die "$BUILD is configured with another compiler; remove it"
 if [[ ${#wanted[@]} -eq 0 ]]; then

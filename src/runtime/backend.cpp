@@ -1,8 +1,17 @@
 #include "runtime/backend.h"
 
+#include <vector>
+
 #include "core/error.h"
+#include "runtime/sampler.h"
 
 namespace merlin {
+
+void Backend::forward_greedy(const Batch& batch, int64_t n_vocab, int32_t* tokens) {
+  std::vector<float> logits(batch.n_logits() * (size_t)n_vocab);
+  forward(batch, logits.data());
+  for (size_t r = 0; r < batch.n_logits(); ++r) tokens[r] = argmax(logits.data() + r * (size_t)n_vocab, n_vocab);
+}
 
 #ifdef MERLIN_HAVE_CUDA
 // Defined in src/kernels/cuda (built only with MERLIN_CUDA); throws merlin::Error when no GPU is present.

@@ -64,6 +64,12 @@ class Backend {
   virtual int n_seq() const = 0;
   // Runs the batch; `logits` receives batch.n_logits() rows of vocab_size floats.
   virtual void forward(const Batch& batch, float* logits) = 0;
+  // Runs the batch like forward(), but `tokens` receives, per row with want_logits (batch order), only the id
+  // of its largest logit: greedy sampling without moving logits. Ties go to the lowest id, as argmax() in
+  // sampler.h. n_vocab is the model's vocabulary size (the length of a logits row). The default computes the
+  // logits and takes argmax() on the host; the CUDA backend finds the maximum on the device and copies back
+  // only batch.n_logits() int32 ids.
+  virtual void forward_greedy(const Batch& batch, int64_t n_vocab, int32_t* tokens);
   // Forgets everything cached for a sequence (the next token of it starts at position 0).
   virtual void clear_sequence(int seq) = 0;
 

@@ -10,6 +10,9 @@
 #include "runtime/backend.h"
 #include "runtime/generate.h"
 #include "runtime/model.h"
+#ifdef MERLIN_HAVE_CUDA
+#include "kernels/cuda/cuda_api.h"
+#endif
 
 namespace merlin {
 namespace {
@@ -41,8 +44,11 @@ double run_pp(const Model& m, Backend& b, const std::vector<int32_t>& tokens) {
   return (double)tokens.size() / (now_seconds() - t0);
 }
 
+// Decode steps sample greedily through forward_greedy, as generate() does: a GPU backend returns token ids,
+// not logits rows.
 double run_tg(const Model& m, Backend& b, const std::vector<int32_t>& tokens, bool kv_cache) {
-  std::vector<float> logits((size_t)m.config().vocab_size);
+  const int64_t vocab = m.config().vocab_size;
+  int32_t next = 0;
   Batch batch;
   b.clear_sequence(0);
   const double t0 = now_seconds();
@@ -50,7 +56,7 @@ double run_tg(const Model& m, Backend& b, const std::vector<int32_t>& tokens, bo
     if (kv_cache) {
       batch.clear();
       batch.add(tokens[i], (int)i, 0, true);
-      b.forward(batch, logits.data());
+      b.forward_greedy(batch, vocab, &next);
     } else {
       b.clear_sequence(0);
       prefill(m, b, std::vector<int32_t>(tokens.begin(), tokens.begin() + (long)i + 1), 0, 0, false);
@@ -58,6 +64,22 @@ double run_tg(const Model& m, Backend& b, const std::vector<int32_t>& tokens, bo
   }
   return (double)tokens.size() / (now_seconds() - t0);
 }
+
+// B sequences decode N tokens together: step i feeds token i of every sequence at position i.
+double run_tg_batch(Backend& b, const std::vector<int32_t>& tokens, int n_seqs, size_t vocab) {
+  std::vector<int32_t> next((size_t)n_seqs);
+  Batch batch;
+  for (int s = 0; s < n_seqs; ++s) b.clear_sequence(s);
+  const double t0 = now_seconds();
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    batch.clear();
+    for (int s = 0; s < n_seqs; ++s) batch.add(tokens[(i + (size_t)s) % tokens.size()], (int)i, s, true);
+    b.forward_greedy(batch, (int64_t)vocab, next.data());
+  }
+  return (double)tokens.size() * n_seqs / (now_seconds() - t0);
+}
+
+double kv_elem_bytes(DType t) { return t == DType::F32 ? 4.0 : t == DType::F16 ? 2.0 : 34.0 / 32.0; }
 
 }  // namespace
 
@@ -69,7 +91,7 @@ uint64_t weight_bytes_per_token(const Model& model) {
   return n;
 }
 
-std::vector<BenchTest> bench_model(const Model& model, const BenchOptions& o) {
+std::vector<BenchTest> bench_model(const Model& model, const BenchOptions& o, BenchDevice* device) {
   const int ctx_needed = std::max(o.n_prompt, o.n_gen);
   MERLIN_CHECK(ctx_needed <= model.config().context_length, "a test of ", ctx_needed,
                " tokens does not fit in the model's context of ", model.config().context_length,
@@ -79,7 +101,23 @@ std::vector<BenchTest> bench_model(const Model& model, const BenchOptions& o) {
   bo.n_ctx = std::max(1, ctx_needed);
   bo.max_batch = std::max(1, std::min(o.n_batch, std::max(o.n_prompt, o.kv_cache ? 1 : o.n_gen)));
   bo.kv_type = o.kv_type;
-  auto backend = make_cpu_backend(model, bo);
+  int max_seqs = 1;
+  for (int b : o.decode_batches) max_seqs = std::max(max_seqs, b);
+  bo.n_seq = max_seqs;
+  bo.max_batch = std::max(bo.max_batch, max_seqs);
+  double gbps = 0;
+#ifdef MERLIN_HAVE_CUDA
+  if (o.device == "cuda") {
+    MERLIN_CHECK(cuda::gpu_available(), "no usable CUDA GPU for --device cuda");
+    if (o.log) o.log("measuring device copy bandwidth");
+    gbps = cuda::copy_bandwidth_gbps();
+    if (device) {
+      device->name = cuda::device_name();
+      device->copy_gbps = gbps;
+    }
+  }
+#endif
+  auto backend = make_backend(o.device, model, bo);
   std::vector<BenchTest> out;
   auto measure = [&](const std::string& name, int np, int ng, const std::function<double()>& once) {
     BenchTest t;
@@ -101,8 +139,29 @@ std::vector<BenchTest> bench_model(const Model& model, const BenchOptions& o) {
   if (o.n_gen > 0) {
     std::vector<int32_t> toks = random_tokens(model, o.n_gen, o.seed + 1);
     if (model.tokenizer().bos_id() >= 0) toks[0] = model.tokenizer().bos_id();
-    measure(cat("tg", o.n_gen), 0, o.n_gen, [&] { return run_tg(model, *backend, toks, o.kv_cache); });
+    const ModelConfig& c = model.config();
+    const double kv_row = kv_elem_bytes(o.kv_type) * (double)c.kv_dim() * 2.0 * (double)c.n_layers;
+    for (int nb : o.decode_batches) {
+      const size_t first = out.size();
+      if (nb <= 1) {
+        measure(cat("tg", o.n_gen), 0, o.n_gen, [&] { return run_tg(model, *backend, toks, o.kv_cache); });
+      } else {
+        MERLIN_CHECK(o.kv_cache, "batched decode needs the KV cache");
+        measure(cat("tg", o.n_gen, " x", nb), 0, o.n_gen,
+                [&] { return run_tg_batch(*backend, toks, nb, (size_t)c.vocab_size); });
+      }
+      BenchTest& t = out[first];
+      t.batch = std::max(1, nb);
+      // Mean K/V rows read per step: positions 0..n_gen-1 attend to pos + 1 rows each.
+      t.bytes_per_step = (double)weight_bytes_per_token(model) + t.batch * kv_row * (o.n_gen + 1) / 2.0;
+      if (gbps > 0 && o.kv_cache) t.roofline_tps = t.batch * gbps * 1e9 / t.bytes_per_step;
+    }
   }
+#ifdef MERLIN_HAVE_CUDA
+  if (device && o.device == "cuda") device->memory_in_use = cuda::device_memory_in_use();
+#else
+  (void)device;  // only a CUDA build reports device figures
+#endif
   return out;
 }
 

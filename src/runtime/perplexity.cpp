@@ -67,7 +67,7 @@ class ChunkRunner {
     bo.n_seq = n_seq;
     bo.max_batch = n_seq > 1 ? n_seq * o.n_ctx : std::min(o.n_ctx, o.n_batch);
     bo.kv_type = o.kv_type;
-    backend_ = make_cpu_backend(model, bo);
+    backend_ = make_backend(o.device, model, bo);
   }
 
   const std::vector<float>& run(const std::vector<int32_t>& tokens, int first_chunk, int n_seq_used) {

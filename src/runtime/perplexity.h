@@ -28,6 +28,7 @@ struct PerplexityOptions {
   int n_batch = 2048;   // tokens per forward call; n_batch / n_ctx chunks are evaluated together
   int n_threads = 0;    // 0: all cores
   DType kv_type = DType::F16;
+  std::string device = "cpu";  // make_backend device
   int max_chunks = -1;  // -1: all
 };
 

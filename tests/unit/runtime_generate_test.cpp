@@ -188,3 +188,21 @@ TEST(Generate, KvCacheAndNoCacheGiveSameTokens) {
   EXPECT_EQ(with, without);
   EXPECT_FALSE(with.empty());
 }
+
+// Backend::forward_greedy's default (the CPU backend uses it): the argmax of each logits row forward() gives,
+// in batch order, for the rows that want logits only.
+TEST(Generate, ForwardGreedyDefaultIsArgmaxOfLogits) {
+  auto m = Model::load(std::string(MERLIN_SOURCE_DIR) + "/models/merlin-default.gguf");
+  BackendOptions bo;
+  bo.n_threads = 2;
+  bo.n_seq = 2;
+  auto backend = make_cpu_backend(*m, bo);
+  const int64_t vocab = m->config().vocab_size;
+  Batch b;
+  for (int i = 0; i < 9; ++i) b.add(100 + 17 * i, i / 2, i % 2, i % 3 != 1);
+  std::vector<float> logits(b.n_logits() * (size_t)vocab);
+  backend->forward(b, logits.data());
+  std::vector<int32_t> ids(b.n_logits(), -1);
+  backend->forward_greedy(b, vocab, ids.data());  // same positions again: overwrites the same K/V rows
+  for (size_t r = 0; r < ids.size(); ++r) EXPECT_EQ(ids[r], argmax(logits.data() + r * (size_t)vocab, vocab));
+}

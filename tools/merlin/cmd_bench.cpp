@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -29,10 +30,24 @@ struct BenchArgs {
   std::vector<std::string> models;
   int n_prompt = 512, n_gen = 128, reps = 5, threads = 2, batch = 512;
   std::string output = "md", kv_type = "f16", preset, types = "f32,q8_0,q4_0,q4_k,mxfp4,tq2_0", vocab_dir;
+  std::string device = "cpu", decode_batches = "1";
   bool no_kv_cache = false, bandwidth = false;
 };
 
 void log_line(const std::string& s) { std::fprintf(stderr, "[bench] %s\n", s.c_str()); }
+
+std::vector<int> parse_int_list(const std::string& list) {
+  std::vector<int> out;
+  std::stringstream ss(list);
+  for (std::string item; std::getline(ss, item, ',');) {
+    char* end = nullptr;
+    const long v = std::strtol(item.c_str(), &end, 10);
+    MERLIN_CHECK(!item.empty() && *end == 0 && v >= 1 && v <= 4096, "bad number '", item, "' in --decode-batches");
+    out.push_back((int)v);
+  }
+  MERLIN_CHECK(!out.empty(), "--decode-batches is empty");
+  return out;
+}
 
 json bench_file(const std::string& path, const BenchArgs& a) {
   auto model = Model::load(path);
@@ -44,6 +59,8 @@ json bench_file(const std::string& path, const BenchArgs& a) {
   o.n_batch = a.batch;
   o.kv_cache = !a.no_kv_cache;
   o.kv_type = parse_kv_type(a.kv_type);
+  o.device = a.device;
+  o.decode_batches = parse_int_list(a.decode_batches);
   o.log = [&](const std::string& s) { log_line(std::filesystem::path(path).filename().string() + ": " + s); };
   json j = {{"model", std::filesystem::path(path).filename().string()},
             {"size_bytes", model->weight_bytes()},
@@ -52,10 +69,18 @@ json bench_file(const std::string& path, const BenchArgs& a) {
             {"type", dtype_name(model->weight_type())},
             {"threads", a.threads},
             {"kv_cache", o.kv_cache},
-            {"kv_type", a.kv_type}};
-  for (const BenchTest& t : bench_model(*model, o))
-    j["tests"].push_back({{"test", t.name}, {"n_prompt", t.n_prompt}, {"n_gen", t.n_gen}, {"avg_ts", t.mean},
-                          {"stddev_ts", t.sd}, {"median_ts", t.median}, {"samples_ts", t.tps}});
+            {"kv_type", a.kv_type},
+            {"device", a.device}};
+  BenchDevice dev;
+  for (const BenchTest& t : bench_model(*model, o, &dev))
+    j["tests"].push_back({{"test", t.name}, {"n_prompt", t.n_prompt}, {"n_gen", t.n_gen}, {"batch", t.batch},
+                          {"avg_ts", t.mean}, {"stddev_ts", t.sd}, {"median_ts", t.median}, {"samples_ts", t.tps},
+                          {"bytes_per_step", t.bytes_per_step}, {"roofline_ts", t.roofline_tps}});
+  if (a.device != "cpu") {
+    j["device_name"] = dev.name;
+    j["copy_gbps"] = dev.copy_gbps;
+    j["gpu_memory_bytes"] = dev.memory_in_use;
+  }
   j["peak_rss_bytes"] = peak_rss_bytes();  // after this model's tests: models run in turn only grow it
   return j;
 }
@@ -68,7 +93,34 @@ std::string fmt(const char* f, double x) {
 
 std::string params_str(uint64_t n) { return n >= 1000000000 ? fmt("%.2f B", n / 1e9) : fmt("%.2f M", n / 1e6); }
 
+// GPU rows: the CPU table's columns (threads and RSS replaced by the device's) plus each tg row's
+// bandwidth roofline and the fraction of it reached.
+void print_gpu_rows(const json& all) {
+  std::printf("| model | size | params | type | device | KV | test | t/s | roofline t/s | of roofline | GPU memory |\n");
+  std::printf("| --- | ---: | ---: | --- | --- | --- | --- | ---: | ---: | ---: | ---: |\n");
+  for (const json& m : all) {
+    const std::string kv = m["kv_cache"].get<bool>() ? m["kv_type"].get<std::string>() : "none";
+    for (const json& t : m["tests"]) {
+      const double roof = t["roofline_ts"].get<double>();
+      std::printf("| %s | %s | %s | %s | %s | %s | %s | %.2f ± %.2f | %s | %s | %s |\n",
+                  m["model"].get<std::string>().c_str(), format_bytes(m["size_bytes"]).c_str(),
+                  params_str(m["params"]).c_str(), m["type"].get<std::string>().c_str(),
+                  m["device"].get<std::string>().c_str(), kv.c_str(), t["test"].get<std::string>().c_str(),
+                  t["avg_ts"].get<double>(), t["stddev_ts"].get<double>(), roof > 0 ? fmt("%.0f", roof).c_str() : "-",
+                  roof > 0 ? fmt("%.0f %%", 100.0 * t["median_ts"].get<double>() / roof).c_str() : "-",
+                  format_bytes(m["gpu_memory_bytes"]).c_str());
+    }
+  }
+  for (const json& m : all) {
+    std::printf("\n%s: %s, copy bandwidth %.0f GB/s (read + write); roofline = bytes of weights and K/V read per "
+                "decode step / that bandwidth\n", m["model"].get<std::string>().c_str(),
+                m["device_name"].get<std::string>().c_str(), m["copy_gbps"].get<double>());
+    break;
+  }
+}
+
 void print_rows(const json& all) {
+  if (!all.empty() && all[0].value("device", std::string("cpu")) != "cpu") return print_gpu_rows(all);
   std::printf("| model | size | params | type | threads | KV | test | t/s | peak RSS |\n");
   std::printf("| --- | ---: | ---: | --- | ---: | --- | --- | ---: | ---: |\n");
   for (const json& m : all) {
@@ -134,7 +186,8 @@ json bench_in_child(const std::string& path, const BenchArgs& a, bool kv_cache) 
   std::vector<std::string> args = {"merlin", "bench", "-m", path, "-p", std::to_string(a.n_prompt), "-n",
                                    std::to_string(a.n_gen), "-r", std::to_string(a.reps), "-t",
                                    std::to_string(a.threads), "-b", std::to_string(a.batch), "-o", "json",
-                                   "--kv-type", a.kv_type};
+                                   "--kv-type", a.kv_type, "--device", a.device, "--decode-batches",
+                                   a.decode_batches};
   if (!kv_cache) args.push_back("--no-kv-cache");
   return json::parse(run_self(args)).at(0);
 }
@@ -254,6 +307,9 @@ Action add_bench(CLI::App& app) {
   app.add_option("--types", a->types, "formats for --preset, comma-separated");
   app.add_option("--vocab-dir", a->vocab_dir, "directory with GPT-2 encoder.json and vocab.bpe (--preset)");
   app.add_flag("--bandwidth", a->bandwidth, "measure memory read bandwidth (1 and -t threads)");
+  app.add_option("--device", a->device, "cpu (default) | cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--decode-batches", a->decode_batches,
+                 "tg tests: sequences decoding together, comma-separated (e.g. 1,32)");
   return [a] { return bench(*a); };
 }
 

@@ -15,7 +15,7 @@ namespace merlin::cli {
 namespace {
 
 struct PerplexityArgs {
-  std::string model, text, kl_base, kv_type = "f16";
+  std::string model, text, kl_base, kv_type = "f16", device = "cpu";
   int ctx = 512, batch = 2048, threads = 0, chunks = -1;
   bool quiet = false, special = false;
 };
@@ -52,6 +52,7 @@ int perplexity(const PerplexityArgs& a) {
   o.n_batch = a.batch;
   o.n_threads = a.threads;
   o.kv_type = parse_kv_type(a.kv_type);
+  o.device = a.device;
   o.max_chunks = a.chunks;
   std::fprintf(stderr, "perplexity: %zu tokens, chunks of %d, scoring the second half of each%s\n", tokens.size(),
                a.ctx, base ? ", KL against the base model" : "");
@@ -78,6 +79,7 @@ Action add_perplexity(CLI::App& app) {
   app.add_option("--chunks", a->chunks, "score only the first N chunks (-1: all)")->check(CLI::Range(-1, 1 << 30));
   app.add_option("--kl-base", a->kl_base, "reference model (e.g. the f32 original): report KL(base || model)");
   app.add_option("--kv-type", a->kv_type, "KV cache type: f32 | f16 | q8_0");
+  app.add_option("--device", a->device, "cpu (default) | cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_flag("-q,--quiet", a->quiet, "no per-chunk progress");
   app.add_flag("--special", a->special, "parse special-token text such as <|endoftext|> (llama-perplexity does not)");
   return [a] { return perplexity(*a); };

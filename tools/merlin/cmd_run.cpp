@@ -13,7 +13,7 @@ namespace merlin::cli {
 namespace {
 
 struct RunArgs {
-  std::string model, prompt, prompt_ids, kv_type = "f16";
+  std::string model, prompt, prompt_ids, kv_type = "f16", device = "cpu";
   int n_predict = 128, threads = 0, ctx = 0;
   bool no_kv_cache = false, output_ids = false, ignore_eos = false, no_echo = false, raw_pieces = false;
   SamplerOptions sampling;
@@ -55,7 +55,7 @@ int run(const RunArgs& a) {
   bo.n_threads = a.threads;
   bo.n_ctx = a.ctx;
   bo.kv_type = parse_kv_type(a.kv_type);
-  auto backend = make_cpu_backend(*model, bo);
+  auto backend = make_backend(a.device, *model, bo);
   const std::vector<int32_t> prompt = prompt_tokens(*model, a);
   MERLIN_CHECK((int)prompt.size() < backend->n_ctx(), "prompt of ", prompt.size(),
                " tokens does not fit in the context of ", backend->n_ctx(), " tokens");
@@ -117,6 +117,7 @@ Action add_run(CLI::App& app) {
   app.add_option("--repeat-last-n", a->sampling.repeat_last_n, "tokens the penalty looks back")->check(CLI::Range(0, 1 << 20));
   app.add_option("--seed", a->sampling.seed, "sampling seed (same seed, same text)");
   app.add_option("--kv-type", a->kv_type, "KV cache type: f16 (default) | f32 | q8_0");
+  app.add_option("--device", a->device, "cpu (default) | cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_flag("--no-kv-cache", a->no_kv_cache, "recompute the whole sequence every step");
   app.add_flag("--ignore-eos", a->ignore_eos, "keep generating after end-of-text");
   app.add_flag("--no-echo", a->no_echo, "do not print the prompt");

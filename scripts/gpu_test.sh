@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# GPU tests, compute-sanitizer and CUDA benchmarks in one go, for the GPU machine (docs/GPU.md).
+#
+#   scripts/gpu_test.sh [BIN_DIR] [STAGES]
+#
+# BIN_DIR holds merlin, cuda_kernels_test and cuda_backend_test (and gpt2/ with encoder.json + vocab.bpe for
+# `merlin init`; cuda_matvec for the matvec stage); default build-gpu. STAGES: comma-separated subset of
+# tests,sanitize,serve,matvec,bench-base,bench-big (default tests,sanitize,serve,bench-base). `matvec` times
+# the matrix products alone on one 16384 x 4096 and one 4096 x 16384 matrix per weight type (matvec.md). `serve` starts `merlin serve --device cuda` on a loopback port and sends
+# one completion and one streaming chat request. Results go to $OUT (default ./gpu-results): tests.log, sanitize.log,
+# bench-*.md/json. BIG_PRESETS (default "iphone macbook") and BIG_TYPES (default "bf16 q8_0 q4_0 q4_k mxfp4 tq2_0")
+# choose what bench-big builds; models are written to $MODEL_DIR (default /tmp/merlin-models) one at a time.
+set -u
+BIN=$(realpath "${1:-build-gpu}")
+STAGES=",${2:-tests,sanitize,serve,bench-base},"
+OUT=${OUT:-$PWD/gpu-results}
+MODEL_DIR=${MODEL_DIR:-/tmp/merlin-models}
+SAN=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
+export MERLIN_VOCAB_DIR=${MERLIN_VOCAB_DIR:-$BIN/gpt2}
+# libcpp-httplib and brotli travel in $BIN/lib (the GPU machine does not have our build dependencies).
+export LD_LIBRARY_PATH="$BIN/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+mkdir -p "$OUT" "$MODEL_DIR"
+status=0
+has() { [[ $STAGES == *",$1,"* ]]; }
+log() { echo "[gpu_test] $*" | tee -a "$OUT/summary.txt"; }
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+
+if has tests; then
+  for t in "$BIN"/cuda_kernels_test "$BIN"/cuda_backend_test; do
+    if "$t" --gtest_brief=1 >>"$OUT/tests.log" 2>&1; then log "PASS $(basename "$t")"; else log "FAIL $(basename "$t")"; status=1; fi
+  done
+  grep -E "^\[ (logits|default) \]|FAILED|Failure|error" "$OUT/tests.log" | head -40
+fi
+
+if has sanitize; then
+  # memcheck over the kernel tests and the backend's graph / paged paths (the slow whole-model parity tests
+  # run the same kernels and are left out to keep the run short).
+  for spec in "cuda_kernels_test:CudaKernels.*" "cuda_backend_test:CudaBackend.GraphReplay*:CudaBackend.Paged*:CudaBackend.GreedyIds*"; do
+    bin=${spec%%:*}; filter=${spec#*:}
+    if "$SAN" --tool memcheck --error-exitcode 3 "$BIN/$bin" --gtest_brief=1 --gtest_filter="$filter" \
+        >>"$OUT/sanitize.log" 2>&1; then log "memcheck clean: $bin ($filter)"; else log "memcheck FAILED: $bin"; status=1; fi
+  done
+  grep -E "ERROR SUMMARY" "$OUT/sanitize.log"
+fi
+
+# One completion and one streaming chat request against `merlin serve --device cuda`; prints what failed.
+serve_smoke() {
+  local port=${SERVE_PORT:-18089}
+  "$BIN/merlin" serve -m models/merlin-default.gguf --device "${SERVE_DEVICE:-cuda}" --host 127.0.0.1 --port "$port" --parallel 4 \
+    >"$OUT/serve.log" 2>&1 &
+  local pid=$!
+  python3 - "$port" <<'PY' >>"$OUT/serve.log" 2>&1
+import json, sys, time, urllib.request
+base = f"http://127.0.0.1:{sys.argv[1]}"
+def post(path, body):
+    req = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=120).read().decode()
+for _ in range(240):  # the model loads and the weights upload first
+    try:
+        urllib.request.urlopen(base + "/health", timeout=2); break
+    except Exception:
+        time.sleep(0.5)
+c = json.loads(post("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}))
+text = c["choices"][0]["text"]
+assert c["usage"]["completion_tokens"] > 0 and text, c
+print("[serve] completion:", repr(text))
+s = post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 24,
+                                   "stream": True})
+chunks = [json.loads(l[6:]) for l in s.splitlines() if l.startswith("data: ") and l != "data: [DONE]"]
+assert s.rstrip().endswith("data: [DONE]") and chunks, s[:500]
+print("[serve] stream:", len(chunks), "chunks:", repr("".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks)))
+PY
+  local rc=$?
+  kill "$pid" 2>/dev/null
+  wait "$pid" 2>/dev/null
+  return $rc
+}
+
+bench() {  # bench MODEL_FILE LABEL
+  "$BIN/merlin" bench -m "$1" --device cuda -p 512 -n 128 -r 3 --decode-batches 1,32 -o json \
+    >"$OUT/bench-$2.json" 2>>"$OUT/bench.log" || { log "bench FAILED: $2"; status=1; return; }
+  python3 - "$OUT/bench-$2.json" "$2" <<'PY' | tee -a "$OUT/bench.md"
+import json, sys
+m = json.load(open(sys.argv[1]))[0]
+for t in m["tests"]:
+    roof = t["roofline_ts"]
+    frac = f'{100 * t["median_ts"] / roof:.0f} %' if roof else "-"
+    print(f'| {sys.argv[2]} | {m["type"]} | {t["test"]} | {t["median_ts"]:.1f} | {roof:.0f} | {frac} | {m["gpu_memory_bytes"] / 2**30:.2f} GiB | {m["copy_gbps"]:.0f} |')
+PY
+}
+
+if has serve; then
+  if serve_smoke; then log "PASS serve --device cuda (completion + streaming chat)"; else log "FAIL serve --device cuda (see serve.log)"; status=1; fi
+  grep "^\[serve\]" "$OUT/serve.log"
+fi
+
+if has matvec; then
+  "$BIN/cuda_matvec" | tee "$OUT/matvec.md" || { log "matvec FAILED"; status=1; }
+fi
+
+if has bench-base; then
+  echo "| model | type | test | t/s (median) | roofline t/s | of roofline | GPU memory | copy GB/s |" >>"$OUT/bench.md"
+  bench models/merlin-default.gguf default-f16
+  "$BIN/merlin" init --preset base --type f32 -o "$MODEL_DIR/base-f32.gguf" >>"$OUT/bench.log" 2>&1
+  for ty in f16 bf16 q8_0 q4_0 q4_k mxfp4 tq2_0; do
+    "$BIN/merlin" quantize -q "$MODEL_DIR/base-f32.gguf" "$MODEL_DIR/base-$ty.gguf" "$ty" >>"$OUT/bench.log" 2>&1
+    bench "$MODEL_DIR/base-$ty.gguf" "base-$ty"
+    rm -f "$MODEL_DIR/base-$ty.gguf"
+  done
+  rm -f "$MODEL_DIR/base-f32.gguf"
+fi
+
+if has bench-big; then
+  for preset in ${BIG_PRESETS:-iphone macbook}; do
+    # bf16 straight from init (an f32 macbook would be 29 GB), then each type quantized from it in turn.
+    "$BIN/merlin" init --preset "$preset" --type bf16 -o "$MODEL_DIR/$preset-bf16.gguf" >>"$OUT/bench.log" 2>&1
+    for ty in ${BIG_TYPES:-bf16 q8_0 q4_0 q4_k mxfp4 tq2_0}; do
+      f="$MODEL_DIR/$preset-$ty.gguf"
+      [ "$ty" = bf16 ] || "$BIN/merlin" quantize -q "$MODEL_DIR/$preset-bf16.gguf" "$f" "$ty" >>"$OUT/bench.log" 2>&1
+      bench "$f" "$preset-$ty"
+      [ "$ty" = bf16 ] || rm -f "$f"
+    done
+    rm -f "$MODEL_DIR/$preset-bf16.gguf"
+  done
+fi
+log "exit status $status"
+exit $status

@@ -1,0 +1,105 @@
+// Activation preparation (RMSNorm / SwiGLU / plain, then the matrix's input format) and embedding lookup.
+// A grid of (token rows) x (256-element chunks), so a single decode row still spreads over many CTAs; for
+// RMSNorm each CTA re-reads the whole row for its sum of squares (same order everywhere: same scale). The
+// quantizers reproduce the CPU's: Q8_0 as llama.cpp's x86 quantize_row_q8_0 (id = 127 / amax, round half to
+// even), Q8_K as quantize_row_q8_k (scale from the signed value of largest magnitude, first one on ties), so
+// the int8 codes are the CPU's codes. The per-element functions live in act_impl.cuh (shared with matmul.cu).
+#include "kernels/cuda/act_impl.cuh"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/ops.h"
+#include "kernels/cuda/raw_formats.cuh"
+
+namespace merlin::cuda {
+namespace {
+
+template <int Kind, int Mode>
+__global__ void __launch_bounds__(kPrepThreads) prep_kernel(PrepArgs p, ActBuf o) {
+  __shared__ double sh[kPrepThreads / 32];
+  const int t = blockIdx.x;
+  const int64_t k = o.k, base = (int64_t)blockIdx.y * kPrepThreads;
+  pdl_trigger();
+  pdl_wait();
+  const int64_t src = p.d_rows ? p.d_rows[t] : t;
+  const float* x = p.d_x + src * p.ld;
+  const float scale = row_scale<Mode>(p, x, k, sh);
+  const int64_t i = base + threadIdx.x;
+  const bool valid = i < k;
+  emit<Kind>(valid ? prep_value<Mode>(p, x, i, scale) : 0.0f, valid, t, i, o);
+}
+
+template <int Kind>
+void launch_prep(const PrepArgs& p, int n, ActBuf& o, Stream s) {
+  const dim3 grid((unsigned)n, (unsigned)((o.k + kPrepThreads - 1) / kPrepThreads));
+  switch (p.mode) {
+    case Prep::Plain: launch_pdl(prep_kernel<Kind, 0>, grid, kPrepThreads, 0, s, p, o); break;
+    case Prep::RmsNorm: launch_pdl(prep_kernel<Kind, 1>, grid, kPrepThreads, 0, s, p, o); break;
+    case Prep::SwiGlu: launch_pdl(prep_kernel<Kind, 2>, grid, kPrepThreads, 0, s, p, o); break;
+  }
+}
+
+__global__ void embed_kernel(DType type, const uint8_t* table, size_t row_bytes, int64_t dim, const int32_t* tokens,
+                             float* x) {
+  const int t = blockIdx.x;
+  pdl_trigger();
+  pdl_wait();
+  const uint8_t* row = table + (size_t)tokens[t] * row_bytes;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) x[t * dim + i] = raw_value(type, row, i);
+}
+
+}  // namespace
+
+ActBuf act_alloc(ActKind kind, int64_t k, int n_cap) {
+  ActBuf a;
+  a.kind = kind;
+  a.k = k;
+  a.n_cap = n_cap;
+  const size_t n = (size_t)n_cap * k;
+  switch (kind) {
+    case ActKind::F32: a.f = static_cast<float*>(dev_alloc(n * 4)); break;
+    case ActKind::F16:
+    case ActKind::BF16:
+      a.hi = static_cast<uint16_t*>(dev_alloc(n * 2));
+      a.lo = static_cast<uint16_t*>(dev_alloc(n * 2));
+      break;
+    case ActKind::Q8_0:
+    case ActKind::Q8_K:
+      MERLIN_CHECK(k % (kind == ActKind::Q8_K ? 256 : 32) == 0, "quantized activations of ", k, " elements");
+      a.q = static_cast<int8_t*>(dev_alloc(n));
+      a.scale = static_cast<float*>(dev_alloc(n / 32 * 4));
+      a.sum = static_cast<int32_t*>(dev_alloc(n / 32 * 4));
+      break;
+  }
+  return a;
+}
+
+void act_free(ActBuf& a) {
+  dev_free(a.f);
+  dev_free(a.q);
+  dev_free(a.scale);
+  dev_free(a.sum);
+  dev_free(a.hi);
+  dev_free(a.lo);
+  a = ActBuf{};
+}
+
+void prep_act(const PrepArgs& p, int n, ActBuf& out, Stream s) {
+  if (n <= 0) return;
+  MERLIN_CHECK(n <= out.n_cap, "prep_act: ", n, " rows exceed the buffer's ", out.n_cap);
+  switch (out.kind) {
+    case ActKind::F32: launch_prep<0>(p, n, out, s); break;
+    case ActKind::Q8_0: launch_prep<1>(p, n, out, s); break;
+    case ActKind::Q8_K: launch_prep<2>(p, n, out, s); break;
+    case ActKind::F16: launch_prep<3>(p, n, out, s); break;
+    case ActKind::BF16: launch_prep<4>(p, n, out, s); break;
+  }
+  check_launch("prep_act");
+}
+
+void embed(DType type, const void* d_table, size_t row_bytes, int64_t dim, const int32_t* d_tokens, int n, float* d_x,
+           Stream s) {
+  if (n <= 0) return;
+  launch_pdl(embed_kernel, n, 256, 0, s, type, static_cast<const uint8_t*>(d_table), row_bytes, dim, d_tokens, d_x);
+  check_launch("embed");
+}
+
+}  // namespace merlin::cuda

@@ -1,0 +1,132 @@
+// Activation preparation shared by prep_kernel (act.cu) and the matrix products that prepare their own
+// input in shared memory (matmul.cu): the RMSNorm scale, the per-element value (RMSNorm / SwiGLU / plain),
+// and emit(), which writes an element in the matrix's input format. Both paths run these same functions
+// with the same CTA size, so the codes and scales are bit-identical whichever path produced them.
+#pragma once
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/ops.h"
+
+namespace merlin::cuda {
+
+constexpr int kPrepThreads = 256;  // one CTA of prep_kernel, and the CTA of a matrix product
+
+__device__ inline double block_sum_double(double v, double* sh) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) sh[w] = v;
+  __syncthreads();
+  double s = 0;
+  for (int i = 0; i < kPrepThreads / 32; ++i) s += sh[i];  // fixed order: deterministic
+  __syncthreads();
+  return s;
+}
+
+// Writes element i (valid: i < k) of row t in the buffer's format. All threads of the CTA call it together.
+template <int Kind>
+__device__ void emit(float v, bool valid, int t, int64_t i, ActBuf& o) {
+  const int64_t k = o.k;
+  if constexpr (Kind == (int)ActKind::F32) {
+    if (valid) o.f[t * k + i] = v;
+  } else if constexpr (Kind == (int)ActKind::F16) {
+    if (valid) {
+      const __half h = __float2half_rn(v);
+      o.hi[t * k + i] = __half_as_ushort(h);
+      o.lo[t * k + i] = __half_as_ushort(__float2half_rn(v - __half2float(h)));
+    }
+  } else if constexpr (Kind == (int)ActKind::BF16) {
+    if (valid) {
+      const __nv_bfloat16 h = __float2bfloat16_rn(v);
+      o.hi[t * k + i] = __bfloat16_as_ushort(h);
+      o.lo[t * k + i] = __bfloat16_as_ushort(__float2bfloat16_rn(v - __bfloat162float(h)));
+    }
+  } else if constexpr (Kind == (int)ActKind::Q8_0) {
+    if (valid) {  // k % 32 == 0, so a warp is all valid or all not
+      const float amax = warp_max(fabsf(v));
+      const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+      const int q = __float2int_rn(v * id);
+      o.q[t * k + i] = (int8_t)q;
+      const int s = warp_sum_int(q);
+      if ((threadIdx.x & 31) == 0) {
+        o.scale[t * (k / 32) + i / 32] = round_to_half(amax / 127.0f);
+        o.sum[t * (k / 32) + i / 32] = s;
+      }
+    }
+  } else {  // Q8_K: the CTA's 256 elements are one super-block (k % 256 == 0)
+    __shared__ float s_abs[kPrepThreads / 32], s_val[kPrepThreads / 32];
+    __shared__ int s_idx[kPrepThreads / 32];
+    float a = fabsf(v), val = v;
+    int idx = threadIdx.x;
+    for (int off = 16; off > 0; off >>= 1) {
+      const float a2 = __shfl_xor_sync(0xffffffffu, a, off), v2 = __shfl_xor_sync(0xffffffffu, val, off);
+      const int i2 = __shfl_xor_sync(0xffffffffu, idx, off);
+      if (a2 > a || (a2 == a && i2 < idx)) { a = a2; val = v2; idx = i2; }
+    }
+    const int w = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) == 0) { s_abs[w] = a; s_val[w] = val; s_idx[w] = idx; }
+    __syncthreads();
+    float best_a = s_abs[0], best_v = s_val[0];
+    int best_i = s_idx[0];
+    for (int j = 1; j < kPrepThreads / 32; ++j)
+      if (s_abs[j] > best_a || (s_abs[j] == best_a && s_idx[j] < best_i)) { best_a = s_abs[j]; best_v = s_val[j]; best_i = s_idx[j]; }
+    __syncthreads();
+    int q = 0;
+    float d = 0.0f;
+    if (best_a != 0.0f) {
+      const float iscale = -127.0f / best_v;
+      q = min(__float2int_rn(iscale * v), 127);
+      d = 1.0f / iscale;
+    }
+    if (valid) o.q[t * k + i] = (int8_t)q;
+    const int s = warp_sum_int(q);
+    if (valid && (threadIdx.x & 31) == 0) {
+      o.scale[t * (k / 32) + i / 32] = d;
+      o.sum[t * (k / 32) + i / 32] = s;
+    }
+  }
+}
+
+// 1 / rms(x) for RmsNorm rows, 1 otherwise. All threads of the CTA call it together.
+template <int Mode>
+__device__ __forceinline__ float row_scale(const PrepArgs& p, const float* x, int64_t k, double* sh) {
+  if constexpr (Mode == (int)Prep::RmsNorm) {
+    double ss = 0.0;  // in double, as the CPU reference (ggml) sums
+    for (int64_t i = threadIdx.x; i < k; i += kPrepThreads) ss += (double)x[i] * (double)x[i];
+    ss = block_sum_double(ss, sh);
+    const float mean = (float)(ss / (double)k);
+    return 1.0f / sqrtf(mean + p.eps);
+  } else {
+    return 1.0f;
+  }
+}
+
+template <int Mode>
+__device__ __forceinline__ float prep_value(const PrepArgs& p, const float* x, int64_t i, float scale) {
+  if constexpr (Mode == (int)Prep::RmsNorm) {
+    return __fmul_rn(__fmul_rn(x[i], scale), p.d_w[i]);
+  } else if constexpr (Mode == (int)Prep::SwiGlu) {
+    const float g = x[i];
+    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), x[i + p.glu_offset]);
+  } else {
+    (void)scale;
+    return x[i];
+  }
+}
+
+// Prepares rows tb .. tb + nt - 1 into o (row tl of o = token tb + tl), one CTA of kPrepThreads doing it all.
+template <int Kind, int Mode>
+__device__ void prep_rows(const PrepArgs& p, int tb, int nt, ActBuf& o) {
+  __shared__ double sh[kPrepThreads / 32];
+  for (int tl = 0; tl < nt; ++tl) {
+    const int t = tb + tl;
+    const int64_t src = p.d_rows ? p.d_rows[t] : t;
+    const float* x = p.d_x + src * p.ld;
+    const float scale = row_scale<Mode>(p, x, o.k, sh);
+    for (int64_t base = 0; base < o.k; base += kPrepThreads) {
+      const int64_t i = base + threadIdx.x;
+      const bool valid = i < o.k;
+      emit<Kind>(valid ? prep_value<Mode>(p, x, i, scale) : 0.0f, valid, tl, i, o);
+    }
+  }
+}
+
+}  // namespace merlin::cuda

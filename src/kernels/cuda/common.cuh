@@ -1,0 +1,71 @@
+// Shared by the .cu files of the CUDA module: error checks, half conversions and warp reductions.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/error.h"
+
+#define MERLIN_CUDA_CHECK(expr)                                                                      \
+  do {                                                                                               \
+    const cudaError_t err_ = (expr);                                                                 \
+    if (err_ != cudaSuccess)                                                                         \
+      ::merlin::fail("CUDA error: ", cudaGetErrorString(err_), " (", #expr, " at ", __FILE__, ":", \
+                     __LINE__, ")");                                                                 \
+  } while (0)
+
+namespace merlin::cuda {
+
+__device__ __forceinline__ float half_bits_to_f32(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+__device__ __forceinline__ float bf16_bits_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
+__device__ __forceinline__ float round_to_half(float x) { return __half2float(__float2half_rn(x)); }
+
+// 2^(e - 128), ggml's GGML_E8M0_TO_FP32_HALF (subnormal for e < 2).
+__device__ __forceinline__ float e8m0_half(uint8_t e) {
+  return __uint_as_float(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ int warp_sum_int(int v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Programmatic dependent launch (sm_90). Every kernel of a forward step is launched with launch_pdl, so it
+// may start while the kernel before it on the stream still runs; its prologue (weight loads, index math)
+// then overlaps that kernel's tail instead of waiting behind a launch gap. The rule that keeps it correct:
+// a kernel calls pdl_wait() before it reads anything an earlier kernel wrote or writes anything an earlier
+// kernel reads; only immutable data (weights, scales, tables built at load) may be touched before. Since
+// every kernel waits, completion is transitive: when pdl_wait returns, all earlier kernels have finished.
+// pdl_trigger() lets the next kernel be scheduled as soon as all CTAs of this one are resident. Without
+// the launch attribute both instructions are no-ops.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+bool pdl_enabled();  // MERLIN_CUDA_PDL=0 turns programmatic dependent launch off (for A/B timing)
+
+template <typename... Params, typename... Args>
+void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args... args) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  MERLIN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...));
+}
+
+}  // namespace merlin::cuda

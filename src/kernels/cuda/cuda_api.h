@@ -1,0 +1,29 @@
+// What the rest of Merlin sees of the CUDA module (plain C++, no CUDA headers): the backend factory and a
+// few device queries for `merlin bench`. Only declared in builds with MERLIN_CUDA (MERLIN_HAVE_CUDA).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace merlin {
+
+class Backend;
+class Model;
+struct BackendOptions;
+
+// Throws merlin::Error with the reason when no usable GPU is present.
+std::unique_ptr<Backend> make_cuda_backend(const Model& model, const BackendOptions& opts);
+
+namespace cuda {
+
+// True when a CUDA device can be used; otherwise `why` (if given) says what is missing.
+bool gpu_available(std::string* why = nullptr);
+std::string device_name();
+// Device-to-device copy bandwidth (bytes read + bytes written per second, GB/s) of a 2 GiB copy kernel,
+// median of several runs: the ceiling decode's roofline is measured against.
+double copy_bandwidth_gbps();
+// Bytes of device memory in use on the current device (total - free), CUDA context included.
+uint64_t device_memory_in_use();
+
+}  // namespace cuda
+}  // namespace merlin

@@ -1,0 +1,423 @@
+// CudaBackend: the Backend interface on one GPU. Weights are uploaded once (repacked into fragment order,
+// ops.h), the activations, the paged K/V cache and the block tables stay on the device, and only the rows
+// of logits that the batch asks for come back. The forward pass is the CPU backend's, step for step:
+//
+//   x = embed(tokens)
+//   per layer:  a = act(rmsnorm(x))            (fused: norm + quantize to the matrix's input format)
+//               qkv = a · [Wq; Wk; Wv]          (one product over the stacked matrices)
+//               rope(q, k); cache <- k, v       (one kernel)
+//               o = attention(q, cache)         (paged, per sequence)
+//               x += act(o) · Wo                (residual add in the product's epilogue)
+//               gu = act(rmsnorm(x)) · [Wg; Wu]
+//               x += act(silu(g) * u) · Wd
+//   logits = act(rmsnorm(x[rows wanted])) · Wout
+//
+// Decode-sized batches (up to kGraphMaxTokens tokens) run as a CUDA graph captured once per (tokens,
+// logits rows) shape and replayed; tokens, positions, sequences and rows travel through fixed device
+// buffers that the graph's first nodes fill from pinned host memory. MERLIN_CUDA_GRAPHS=0 turns graphs off.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <tuple>
+#include <vector>
+
+#include "core/error.h"
+#include "kernels/cuda/cuda_api.h"
+#include "kernels/cuda/ops.h"
+#include "runtime/backend.h"
+#include "runtime/model.h"
+
+#define MERLIN_CUDA_CHECK(expr)                                                                      \
+  do {                                                                                               \
+    const cudaError_t err_ = (expr);                                                                 \
+    if (err_ != cudaSuccess) ::merlin::fail("CUDA error: ", cudaGetErrorString(err_), " (", #expr, ")"); \
+  } while (0)
+
+namespace merlin {
+namespace {
+
+using cuda::ActBuf;
+using cuda::ActKind;
+using cuda::Matrix;
+
+constexpr int kGraphMaxTokens = 32;
+
+// Matrices sharing one input, stacked by rows when their types agree (Q/K/V, gate/up), else kept apart.
+struct Linear {
+  std::vector<Matrix> mats;
+  std::vector<int64_t> offset;  // first output column of each matrix
+  int64_t rows = 0;             // padded output columns in total
+};
+
+Linear make_linear(std::initializer_list<const Weight*> ws, cuda::Stream s) {
+  Linear l;
+  std::vector<cuda::MatrixPart> parts;
+  for (const Weight* w : ws) parts.push_back({w->type, w->data, w->rows, w->cols, w->row_bytes});
+  bool same = true;
+  for (const auto& p : parts) same = same && p.type == parts[0].type;
+  if (same) {
+    l.mats.push_back(cuda::upload_matrix(parts.data(), (int)parts.size(), s));
+    l.offset.push_back(0);
+  } else {
+    int64_t off = 0;
+    for (const auto& p : parts) {
+      l.mats.push_back(cuda::upload_matrix(&p, 1, s));
+      l.offset.push_back(off);
+      off += cuda::padded_rows(p.rows);
+    }
+  }
+  for (const Matrix& m : l.mats) l.rows += m.rows;
+  return l;
+}
+
+template <class T>
+T* dev_array(size_t n) {
+  return static_cast<T*>(cuda::dev_alloc(std::max<size_t>(n, 1) * sizeof(T)));
+}
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(const Model& model, const BackendOptions& opts);
+  ~CudaBackend() override;
+  std::string name() const override { return "cuda-" + cuda::device_name(); }
+  int n_ctx() const override { return n_ctx_; }
+  int max_batch() const override { return max_batch_; }
+  int n_seq() const override { return n_seq_; }
+  void forward(const Batch& batch, float* logits) override;
+  void forward_greedy(const Batch& batch, int64_t n_vocab, int32_t* tokens) override;
+  void clear_sequence(int seq) override {
+    MERLIN_CHECK(seq >= 0 && seq < n_seq_, "sequence ", seq, " out of range");  // cached rows are overwritten
+  }
+  int kv_block_size() const override { return block_size_; }
+  int n_kv_blocks() const override { return n_blocks_; }
+  void set_block_table(int seq, std::span<const int32_t> blocks) override;
+  size_t kv_block_bytes() const override { return 2 * (size_t)c_.n_layers * block_size_ * c_.kv_dim() * kv_elem_; }
+
+ private:
+  struct Layer {
+    float* attn_norm = nullptr;
+    float* ffn_norm = nullptr;
+    Linear qkv, wo, gate_up, down;
+    void* k = nullptr;
+    void* v = nullptr;
+  };
+
+  // What a step returns: logits rows, or only the argmax id of each row (greedy).
+  enum class Output : int { Logits = 0, GreedyIds = 1 };
+  void validate(const Batch& batch) const;
+  int run_step(const Batch& batch, Output out);
+  void enqueue(int n, int n_out, Output out);
+  ActBuf& act(ActKind kind, int64_t k);
+  void prepare_inputs(const cuda::PrepArgs& p, const Linear& l, int n);
+  void run_linear(const Linear& l, const cuda::PrepArgs& p, int n, float* y, int64_t ldy, int64_t n_out, bool acc);
+  float* upload_floats(const std::vector<float>& v);
+
+  const Model& m_;
+  const ModelConfig& c_;
+  cudaStream_t stream_ = nullptr;
+  int n_ctx_, n_seq_, max_batch_, block_size_, n_blocks_, max_blocks_;
+  bool graphs_ = true;
+  bool fuse_prep_ = false;
+  size_t kv_elem_;
+  std::vector<Layer> layers_;
+  Linear head_;
+  float* out_norm_ = nullptr;
+  void* embd_ = nullptr;
+  float* cos_sin_ = nullptr;
+  int32_t* table_ = nullptr;
+  std::vector<int32_t> host_table_;
+  // Per-step inputs: pinned host staging and their device copies.
+  int32_t* h_in_ = nullptr;  // [4][max_batch]: tokens, pos, seq, logits rows
+  int32_t* d_in_ = nullptr;
+  float* h_logits_ = nullptr;
+  int32_t* h_ids_ = nullptr;  // [max_batch] greedy ids (pinned)
+  int32_t* d_ids_ = nullptr;
+  float *x_ = nullptr, *qkv_ = nullptr, *att_ = nullptr, *gu_ = nullptr, *logits_ = nullptr;
+  std::vector<ActBuf> acts_;
+  std::map<std::tuple<int, int, int>, cudaGraphExec_t> graphs_by_shape_;  // (tokens, logits rows, Output)
+};
+
+CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(model), c_(model.config()) {
+  std::string why;
+  MERLIN_CHECK(cuda::gpu_available(&why), "no usable CUDA GPU: ", why);
+  MERLIN_CUDA_CHECK(cudaSetDevice(0));
+  n_ctx_ = opts.n_ctx > 0 ? opts.n_ctx : (int)c_.context_length;
+  MERLIN_CHECK(n_ctx_ <= c_.context_length, "context size ", n_ctx_, " exceeds the model's context length ",
+               c_.context_length);
+  n_seq_ = std::max(1, opts.n_seq);
+  max_batch_ = std::max(1, opts.max_batch);
+  MERLIN_CHECK(opts.kv_type == DType::F16 || opts.kv_type == DType::F32, "the CUDA backend keeps its KV cache in f16 "
+               "or f32 (got ", dtype_name(opts.kv_type), "); use --kv-type f16");
+  kv_elem_ = opts.kv_type == DType::F16 ? 2 : 4;
+  MERLIN_CHECK(opts.kv_block_size > 0, "KV block size must be positive");
+  block_size_ = opts.kv_block_size;
+  max_blocks_ = (n_ctx_ + block_size_ - 1) / block_size_;
+  n_blocks_ = opts.n_kv_blocks > 0 ? opts.n_kv_blocks : n_seq_ * max_blocks_;
+  if (const char* g = std::getenv("MERLIN_CUDA_GRAPHS"); g && std::string(g) == "0") graphs_ = false;
+  if (const char* f = std::getenv("MERLIN_CUDA_FUSE"); f && std::string(f) == "1") fuse_prep_ = true;
+  MERLIN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+
+  // Block tables: identity ranges unless the caller manages blocks (n_kv_blocks > 0: all unmapped).
+  host_table_.assign((size_t)n_seq_ * max_blocks_, -1);
+  if (opts.n_kv_blocks <= 0)
+    for (int s = 0; s < n_seq_; ++s)
+      for (int b = 0; b < max_blocks_; ++b) host_table_[(size_t)s * max_blocks_ + b] = s * max_blocks_ + b;
+  table_ = dev_array<int32_t>(host_table_.size());
+  cuda::copy_to_device(table_, host_table_.data(), host_table_.size() * 4);
+
+  // RoPE angles computed on the host exactly as kernels::rope_inplace does (same recurrence, same libm).
+  const int n_rot = (int)c_.rot_dims();
+  std::vector<float> cs((size_t)n_ctx_ * n_rot);
+  const float theta_scale = std::pow(c_.rope_theta, -2.0f / (float)n_rot);
+  for (int p = 0; p < n_ctx_; ++p) {
+    float angle = (float)p;
+    for (int i = 0; i < n_rot / 2; ++i) {
+      cs[(size_t)p * n_rot + 2 * i] = std::cos(angle);
+      cs[(size_t)p * n_rot + 2 * i + 1] = std::sin(angle);
+      angle *= theta_scale;
+    }
+  }
+  cos_sin_ = upload_floats(cs);
+
+  const size_t kv_bytes = (size_t)n_blocks_ * block_size_ * c_.kv_dim() * kv_elem_;
+  for (int l = 0; l < c_.n_layers; ++l) {
+    const LayerWeights& w = m_.layer(l);
+    Layer L;
+    L.attn_norm = upload_floats(w.attn_norm);
+    L.ffn_norm = upload_floats(w.ffn_norm);
+    L.qkv = make_linear({&w.wq, &w.wk, &w.wv}, stream_);
+    L.wo = make_linear({&w.wo}, stream_);
+    L.gate_up = make_linear({&w.gate, &w.up}, stream_);
+    L.down = make_linear({&w.down}, stream_);
+    L.k = cuda::dev_alloc(kv_bytes);
+    L.v = cuda::dev_alloc(kv_bytes);
+    layers_.push_back(std::move(L));
+  }
+  head_ = make_linear({&m_.output()}, stream_);
+  out_norm_ = upload_floats(m_.output_norm());
+  const Weight& e = m_.token_embd();
+  embd_ = cuda::dev_alloc((size_t)e.rows * e.row_bytes);
+  cuda::copy_to_device(embd_, e.data, (size_t)e.rows * e.row_bytes);
+
+  const size_t B = (size_t)max_batch_;
+  MERLIN_CUDA_CHECK(cudaMallocHost(&h_in_, 4 * B * sizeof(int32_t)));
+  MERLIN_CUDA_CHECK(cudaMallocHost(&h_logits_, B * c_.vocab_size * sizeof(float)));
+  MERLIN_CUDA_CHECK(cudaMallocHost(&h_ids_, B * sizeof(int32_t)));
+  d_in_ = dev_array<int32_t>(4 * B);
+  d_ids_ = dev_array<int32_t>(B);
+  x_ = dev_array<float>(B * c_.dim);
+  qkv_ = dev_array<float>(B * layers_[0].qkv.rows);
+  att_ = dev_array<float>(B * c_.n_heads * c_.head_dim());
+  gu_ = dev_array<float>(B * layers_[0].gate_up.rows);
+  logits_ = dev_array<float>(B * c_.vocab_size);
+  // Every activation buffer exists before the first step: nothing may be allocated while a graph is captured.
+  for (const Layer& L : layers_)
+    for (const Linear* l : {&L.qkv, &L.wo, &L.gate_up, &L.down})
+      for (const Matrix& m : l->mats) act(m.act(), m.k);
+  for (const Matrix& m : head_.mats) act(m.act(), m.k);
+  cuda::attention_prepare(n_ctx_);
+  cuda::sync_device();
+}
+
+CudaBackend::~CudaBackend() {
+  for (auto& [shape, g] : graphs_by_shape_) cudaGraphExecDestroy(g);
+  auto free_linear = [](Linear& l) {
+    for (Matrix& m : l.mats) cuda::free_matrix(m);
+  };
+  for (Layer& L : layers_) {
+    free_linear(L.qkv);
+    free_linear(L.wo);
+    free_linear(L.gate_up);
+    free_linear(L.down);
+    cuda::dev_free(L.attn_norm);
+    cuda::dev_free(L.ffn_norm);
+    cuda::dev_free(L.k);
+    cuda::dev_free(L.v);
+  }
+  free_linear(head_);
+  for (ActBuf& a : acts_) cuda::act_free(a);
+  for (void* p : {(void*)out_norm_, embd_, (void*)cos_sin_, (void*)table_, (void*)d_in_, (void*)x_, (void*)qkv_,
+                  (void*)att_, (void*)gu_, (void*)logits_, (void*)d_ids_})
+    cuda::dev_free(p);
+  cudaFreeHost(h_in_);
+  cudaFreeHost(h_logits_);
+  cudaFreeHost(h_ids_);
+  cudaStreamDestroy(stream_);
+}
+
+float* CudaBackend::upload_floats(const std::vector<float>& v) {
+  float* d = dev_array<float>(v.size());
+  if (!v.empty()) cuda::copy_to_device(d, v.data(), v.size() * sizeof(float));
+  return d;
+}
+
+ActBuf& CudaBackend::act(ActKind kind, int64_t k) {
+  for (ActBuf& a : acts_)
+    if (a.kind == kind && a.k == k) return a;
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  MERLIN_CUDA_CHECK(cudaStreamIsCapturing(stream_, &capturing));
+  MERLIN_CHECK(capturing == cudaStreamCaptureStatusNone, "internal: activation buffer allocated during graph capture");
+  acts_.push_back(cuda::act_alloc(kind, k, max_batch_));
+  return acts_.back();
+}
+
+void CudaBackend::validate(const Batch& batch) const {
+  MERLIN_CHECK(batch.size() > 0 && batch.size() <= (size_t)max_batch_, "batch of ", batch.size(), " tokens (1..",
+               max_batch_, " allowed)");
+  for (size_t i = 0; i < batch.size(); ++i) {
+    MERLIN_CHECK(batch.tokens[i] >= 0 && batch.tokens[i] < c_.vocab_size, "token id ", batch.tokens[i],
+                 " is outside the vocabulary (0..", c_.vocab_size - 1, ")");
+    MERLIN_CHECK(batch.pos[i] >= 0 && batch.pos[i] < n_ctx_, "position ", batch.pos[i], " is outside the context (",
+                 n_ctx_, " tokens)");
+    MERLIN_CHECK(batch.seq[i] >= 0 && batch.seq[i] < n_seq_, "sequence ", batch.seq[i], " out of range");
+    // Every position the token reads or writes must lie in a mapped block.
+    const int last_block = batch.pos[i] / block_size_;
+    for (int b = 0; b <= last_block; ++b)
+      MERLIN_CHECK(host_table_[(size_t)batch.seq[i] * max_blocks_ + b] >= 0, "sequence ", batch.seq[i],
+                   " has no KV block mapped for position ", b * block_size_);
+  }
+}
+
+void CudaBackend::set_block_table(int seq, std::span<const int32_t> blocks) {
+  MERLIN_CHECK(seq >= 0 && seq < n_seq_, "sequence ", seq, " out of range");
+  MERLIN_CHECK(blocks.size() <= (size_t)max_blocks_, "block table of ", blocks.size(), " blocks exceeds the context's ",
+               max_blocks_);
+  for (int32_t b : blocks) MERLIN_CHECK(b >= 0 && b < n_blocks_, "KV block ", b, " out of range (0..", n_blocks_ - 1, ")");
+  int32_t* row = host_table_.data() + (size_t)seq * max_blocks_;
+  std::fill(row, row + max_blocks_, -1);
+  std::copy(blocks.begin(), blocks.end(), row);
+  // Ordered on the stream: a step already queued reads the old table, the next one the new.
+  MERLIN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  cuda::copy_to_device(table_ + (size_t)seq * max_blocks_, row, (size_t)max_blocks_ * sizeof(int32_t));
+}
+
+void CudaBackend::prepare_inputs(const cuda::PrepArgs& p, const Linear& l, int n) {
+  ActKind done[4];
+  int n_done = 0;
+  for (const Matrix& m : l.mats) {
+    if (std::find(done, done + n_done, m.act()) != done + n_done) continue;
+    cuda::prep_act(p, n, act(m.act(), m.k), stream_);
+    done[n_done++] = m.act();
+  }
+}
+
+void CudaBackend::run_linear(const Linear& l, const cuda::PrepArgs& p, int n, float* y, int64_t ldy, int64_t n_out,
+                             bool acc) {
+  // With MERLIN_CUDA_FUSE=1, decode-sized steps let each product prepare its own input (one launch instead
+  // of two). Off by default: on the H200 the separate preparation kernel, overlapped by programmatic
+  // dependent launch, was faster than every CTA repeating the row's preparation (docs/GPU.md).
+  bool fused = fuse_prep_;
+  for (const Matrix& m : l.mats) fused = fused && cuda::prep_fuses(m, n);
+  if (!fused) prepare_inputs(p, l, n);
+  for (size_t i = 0; i < l.mats.size(); ++i) {
+    const Matrix& m = l.mats[i];
+    ActBuf& x = act(m.act(), m.k);
+    const int64_t rows = std::min(n_out - l.offset[i], m.rows);
+    if (fused) cuda::matmul_prep(m, p, x, n, y + l.offset[i], ldy, rows, acc, stream_);
+    else cuda::matmul(m, x, n, y + l.offset[i], ldy, rows, acc, stream_);
+  }
+}
+
+// Queues one forward step of n tokens (n_out logits rows) on the stream, inputs taken from h_in_; the
+// output (logits rows or their argmax ids) lands in pinned host memory when the stream reaches the end.
+void CudaBackend::enqueue(int n, int n_out, Output out) {
+  const size_t B = (size_t)max_batch_;
+  MERLIN_CUDA_CHECK(cudaMemcpyAsync(d_in_, h_in_, 4 * B * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  const int32_t *tokens = d_in_, *pos = d_in_ + B, *seq = d_in_ + 2 * B, *rows = d_in_ + 3 * B;
+  const Weight& e = m_.token_embd();
+  cuda::embed(e.type, embd_, e.row_bytes, c_.dim, tokens, n, x_, stream_);
+  const int hd = (int)c_.head_dim();
+  const int64_t q_dim = c_.n_heads * hd, kv_dim = c_.kv_dim();
+  const int64_t k_off = cuda::padded_rows(q_dim), v_off = k_off + cuda::padded_rows(kv_dim);
+  const int64_t ffn_off = cuda::padded_rows(c_.ffn_dim);
+  for (Layer& L : layers_) {
+    const int64_t qkv_ld = L.qkv.rows, gu_ld = L.gate_up.rows;
+    cuda::PrepArgs norm{cuda::Prep::RmsNorm, x_, c_.dim, L.attn_norm, c_.norm_eps, 0, nullptr};
+    run_linear(L.qkv, norm, n, qkv_, qkv_ld, qkv_ld, false);
+    cuda::KvArgs kv{L.k, L.v, kv_elem_ == 2, block_size_, max_blocks_, table_};
+    cuda::rope_kv(qkv_, qkv_ld, k_off, v_off, n, pos, seq, cos_sin_, (int)c_.n_heads, (int)c_.n_kv_heads, hd,
+                  (int)c_.rot_dims(), kv, stream_);
+    cuda::attention(qkv_, qkv_ld, k_off, n, pos, seq, (int)c_.n_heads, (int)c_.n_kv_heads, hd, n_ctx_, kv, att_, stream_);
+    cuda::PrepArgs plain{cuda::Prep::Plain, att_, q_dim, nullptr, 0, 0, nullptr};
+    run_linear(L.wo, plain, n, x_, c_.dim, c_.dim, true);
+    cuda::PrepArgs norm2{cuda::Prep::RmsNorm, x_, c_.dim, L.ffn_norm, c_.norm_eps, 0, nullptr};
+    run_linear(L.gate_up, norm2, n, gu_, gu_ld, gu_ld, false);
+    cuda::PrepArgs glu{cuda::Prep::SwiGlu, gu_, gu_ld, nullptr, 0, ffn_off, nullptr};
+    run_linear(L.down, glu, n, x_, c_.dim, c_.dim, true);
+  }
+  if (n_out > 0) {
+    cuda::PrepArgs fin{cuda::Prep::RmsNorm, x_, c_.dim, out_norm_, c_.norm_eps, 0, rows};
+    run_linear(head_, fin, n_out, logits_, c_.vocab_size, c_.vocab_size, false);
+    if (out == Output::GreedyIds) {
+      cuda::argmax_rows(logits_, c_.vocab_size, n_out, c_.vocab_size, d_ids_, stream_);
+      MERLIN_CUDA_CHECK(cudaMemcpyAsync(h_ids_, d_ids_, (size_t)n_out * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+    } else {
+      MERLIN_CUDA_CHECK(cudaMemcpyAsync(h_logits_, logits_, (size_t)n_out * c_.vocab_size * sizeof(float),
+                                        cudaMemcpyDeviceToHost, stream_));
+    }
+  }
+}
+
+void CudaBackend::forward(const Batch& batch, float* logits) {
+  const int n_out = run_step(batch, Output::Logits);
+  if (n_out > 0) std::memcpy(logits, h_logits_, (size_t)n_out * c_.vocab_size * sizeof(float));
+}
+
+void CudaBackend::forward_greedy(const Batch& batch, int64_t n_vocab, int32_t* tokens) {
+  MERLIN_CHECK(n_vocab == c_.vocab_size, "forward_greedy: vocabulary of ", n_vocab, " tokens, the model has ",
+               c_.vocab_size);
+  const int n_out = run_step(batch, Output::GreedyIds);
+  std::memcpy(tokens, h_ids_, (size_t)n_out * sizeof(int32_t));
+}
+
+// Runs one step (graph replay for decode-sized batches) and waits for it; returns the number of logits rows.
+int CudaBackend::run_step(const Batch& batch, Output out) {
+  validate(batch);
+  const int n = (int)batch.size();
+  const size_t B = (size_t)max_batch_;
+  int n_out = 0;
+  for (int i = 0; i < n; ++i) {
+    h_in_[i] = batch.tokens[i];
+    h_in_[B + i] = batch.pos[i];
+    h_in_[2 * B + i] = batch.seq[i];
+    if (batch.want_logits[i]) h_in_[3 * B + n_out++] = i;
+  }
+  if (graphs_ && n <= kGraphMaxTokens) {
+    const auto shape = std::make_tuple(n, n_out, (int)out);
+    auto it = graphs_by_shape_.find(shape);
+    if (it == graphs_by_shape_.end()) {
+      cudaGraph_t g = nullptr;
+      MERLIN_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+      try {
+        enqueue(n, n_out, out);
+      } catch (...) {
+        cudaStreamEndCapture(stream_, &g);
+        if (g) cudaGraphDestroy(g);
+        cudaGetLastError();  // leave no stale launch error behind for the next call
+        throw;
+      }
+      MERLIN_CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
+      cudaGraphExec_t exec = nullptr;
+      MERLIN_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+      cudaGraphDestroy(g);
+      it = graphs_by_shape_.emplace(shape, exec).first;
+    }
+    MERLIN_CUDA_CHECK(cudaGraphLaunch(it->second, stream_));
+  } else {
+    enqueue(n, n_out, out);
+  }
+  MERLIN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return n_out;
+}
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend(const Model& model, const BackendOptions& opts) {
+  return std::make_unique<CudaBackend>(model, opts);
+}
+
+}  // namespace merlin

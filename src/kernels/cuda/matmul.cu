@@ -1,0 +1,605 @@
+// The matrix product kernels over fragment-ordered weights (ops.h; repacking in repack.cu).
+//
+// One CTA of 8 warps works through tiles of 16 output rows for up to 8 * NT tokens; the grid is persistent
+// (as many CTAs as fit on the GPU at once), so a CTA walks several tiles and its weight stream never drains
+// between them. The warps split each tile's k dimension in rounds of 4 chunks (16 bytes per lane each, the
+// block scales loaded alongside); two rounds alternate in registers, so 128 bytes of weights per lane stay
+// in flight while the previous round computes. Activations of decode-sized batches are staged once per CTA
+// in shared memory. Partial sums meet in shared memory in a fixed order, which keeps results deterministic
+// (a replayed CUDA graph gives the eager bits). Per k-step a warp issues one tensor-core instruction per 8
+// tokens: int8 (m16n8k32) for the quantized types, whose int32 result is one block's exact integer dot
+// product and is scaled like the CPU's scalar reference; f16/bf16 (m16n8k16) for half weights, with the
+// activations split into hi + lo halves (two products) so the result keeps about 16 significant bits of the
+// f32 activation instead of 8 or 11.
+#include <algorithm>
+
+#include "kernels/cuda/act_impl.cuh"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/matrix_layout.cuh"
+#include "kernels/cuda/ops.h"
+#include "kernels/cuda/raw_formats.cuh"
+
+namespace merlin::cuda {
+namespace {
+
+constexpr int kWarps = 8;
+static_assert(kWarps * 32 == kPrepThreads, "a product CTA runs the fused preparation with prep_kernel's CTA size");
+
+// ---------------------------------------------------------------------------------------------------------
+// Products.
+
+struct MmArgs {
+  const uint8_t* q;
+  const uint8_t* s;
+  int64_t k, n_steps, n_chunks, n_super;
+  const int8_t* xq;
+  const float* xs;
+  const int32_t* xsum;
+  const uint16_t* xhi;
+  const uint16_t* xlo;
+  const float* xf;
+  int n;
+  float* y;
+  int64_t ldy, n_out, rows;
+  int accumulate;
+  int64_t tiles;
+  int stage_x;    // 1: the CTA copies its tokens' activations to shared memory first (mm_kernel)
+  int fuse_prep;  // 1: the CTA computes its tokens' activations from prep (RMSNorm / SwiGLU / plain) itself
+  PrepArgs prep;
+};
+
+// The activations a CTA reads: the global buffers, or the CTA's own tokens staged in shared memory (rows
+// from token tok0 on, same row lengths). Generic pointers serve both, so the product code is the same.
+struct XView {
+  const int8_t* q;
+  const float* s;
+  const int32_t* sum;
+  const uint16_t* hi;
+  const uint16_t* lo;
+  int tok0;
+};
+
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ void mma_s8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <bool Bf16>
+__device__ __forceinline__ void mma_half(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (Bf16)
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// MXFP4 codes (one per byte) to their int8 values {0, 1, 2, 3, 4, 6, 8, 12} with the sign in bit 3: two
+// table lookups (positive and negative table, selected by the code's low 3 bits) and a byte mask made by
+// prmt's sign-replicating mode from bit 3 moved to each byte's top bit.
+__device__ __forceinline__ uint32_t mxfp4_values(uint32_t c) {
+  const uint32_t mag = c & 0x07070707u;
+  uint32_t sel = mag | (mag >> 4);
+  sel = (sel & 0xFFu) | ((sel >> 8) & 0xFF00u);
+  const uint32_t pos = __byte_perm(0x03020100u, 0x0C080604u, sel);
+  const uint32_t neg = __byte_perm(0xFDFEFF00u, 0xF4F8FAFCu, sel);
+  uint32_t mask;  // prmt with selector bit 3 set replicates the selected byte's sign bit (PTX ISA, prmt)
+  asm("prmt.b32 %0, %1, 0, 0xBA98;" : "=r"(mask) : "r"(c << 4));
+  return (pos & ~mask) | (neg & mask);
+}
+
+__device__ __forceinline__ uint32_t byte_of(const uint4& v, int i) {
+  const uint32_t w = i < 4 ? v.x : i < 8 ? v.y : i < 12 ? v.z : v.w;
+  return (w >> ((i & 3) * 8)) & 0xFFu;
+}
+
+// Q4_K sub-block j's scale d * sc and min dmin * m from a 16-byte block header.
+__device__ __forceinline__ float2 q4k_scale_min(const uint4& h, int j) {
+  int sc, m;
+  if (j < 4) {
+    sc = byte_of(h, 4 + j) & 63;
+    m = byte_of(h, 8 + j) & 63;
+  } else {
+    sc = (byte_of(h, 8 + j) & 0xF) | ((byte_of(h, j) >> 6) << 4);
+    m = (byte_of(h, 8 + j) >> 4) | ((byte_of(h, 4 + j) >> 6) << 4);
+  }
+  const float d = __half2float(__ushort_as_half((uint16_t)(h.x & 0xFFFF)));
+  const float dmin = __half2float(__ushort_as_half((uint16_t)(h.x >> 16)));
+  return make_float2(d * (float)sc, dmin * (float)m);
+}
+
+// The int8 operand of k-step j of a chunk, after the format's code-to-value mapping.
+template <int F>
+__device__ __forceinline__ void int8_operand(const uint4& w, int j, uint32_t (&a)[4]) {
+  if constexpr (F == kQ8_0) {
+    a[0] = w.x; a[1] = w.y; a[2] = w.z; a[3] = w.w;
+  } else if constexpr (F == kTQ2) {
+    const uint32_t x = j == 0 ? w.x : j == 1 ? w.y : j == 2 ? w.z : w.w;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) a[r] = __vsub4((x >> (2 * r)) & 0x03030303u, 0x01010101u);
+  } else {
+    const uint32_t w0 = j == 0 ? w.x : w.z, w1 = j == 0 ? w.y : w.w;
+    a[0] = w0 & 0x0F0F0F0Fu;
+    a[1] = w1 & 0x0F0F0F0Fu;
+    a[2] = (w0 >> 4) & 0x0F0F0F0Fu;
+    a[3] = (w1 >> 4) & 0x0F0F0F0Fu;
+    if constexpr (F == kQ4_0) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[r] = __vsub4(a[r], 0x08080808u);
+    } else if constexpr (F == kMXFP4) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[r] = mxfp4_values(a[r]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// One "round" of a warp: kRound consecutive 16-byte chunks per lane plus the raw block scales their k-steps
+// need, all loaded before any of them is used. A warp keeps two rounds in flight (the next one loads while
+// the current one computes), so every lane has 128 bytes of weights outstanding and the scales arrive with
+// the weights instead of costing a second memory round trip inside the compute loop.
+
+constexpr int kRound = 4;
+
+// 32-bit scale words per round: one per k-step (Q8_0, Q4_0: half2 of rows g and g + 8; MXFP4: their two
+// e8m0 bytes), one per super-block of 8 steps (TQ2_0), none (half formats; Q4_K keeps 16-byte headers).
+__host__ __device__ constexpr int round_scales(int f) {
+  return f == kQ8_0 || f == kQ4_0 || f == kMXFP4 ? kRound * steps_per_chunk(f) : f == kTQ2 ? kRound * 4 / 8 : 1;
+}
+
+template <int F>
+struct Round {
+  uint4 w[kRound];
+  uint32_t s[round_scales(F)];
+  uint4 h[F == kQ4_K ? 2 : 1];  // Q4_K: the round's super-block header of rows g and g + 8
+};
+
+// Rounds start at chunk (warp + kWarps * r) * kRound, so a Q4_K round (8 k-steps) is exactly one
+// super-block and a TQ2_0 round (16 k-steps) exactly two: scale indices inside a round are constants.
+template <int F>
+__device__ __forceinline__ void load_round(const MmArgs& p, int64_t tile, int64_t c0, int lane, Round<F>& r) {
+  const int g = lane >> 2;
+  const uint4* qp = reinterpret_cast<const uint4*>(p.q) + tile * p.n_chunks * 32 + lane;
+#pragma unroll
+  for (int u = 0; u < kRound; ++u)
+    if (c0 + u < p.n_chunks) r.w[u] = load_stream(qp + (c0 + u) * 32);
+  const int64_t step0 = c0 * steps_per_chunk(F);
+  if constexpr (F == kQ8_0 || F == kQ4_0) {
+    const uint32_t* sp = reinterpret_cast<const uint32_t*>(p.s) + tile * p.n_steps * 8 + g;
+#pragma unroll
+    for (int j = 0; j < round_scales(F); ++j)
+      if (step0 + j < p.n_steps) r.s[j] = __ldg(sp + (step0 + j) * 8);
+  } else if constexpr (F == kMXFP4) {
+    const uint16_t* sp = reinterpret_cast<const uint16_t*>(p.s) + tile * p.n_steps * 8 + g;
+#pragma unroll
+    for (int j = 0; j < round_scales(F); ++j)
+      if (step0 + j < p.n_steps) r.s[j] = __ldg(sp + (step0 + j) * 8);
+  } else if constexpr (F == kTQ2) {
+    const uint32_t* sp = reinterpret_cast<const uint32_t*>(p.s) + tile * p.n_super * 8 + g;
+#pragma unroll
+    for (int j = 0; j < round_scales(F); ++j)
+      if (step0 / 8 + j < p.n_super) r.s[j] = __ldg(sp + (step0 / 8 + j) * 8);
+  } else if constexpr (F == kQ4_K) {
+    if (step0 / 8 < p.n_super) {
+      const uint4* hdr = reinterpret_cast<const uint4*>(p.s) + (tile * p.n_super + step0 / 8) * 16;
+      r.h[0] = __ldg(hdr + g);
+      r.h[1] = __ldg(hdr + g + 8);
+    }
+  }
+}
+
+// Scale (and Q4_K min) of rows g and g + 8 for k-step i (0 .. kRound * steps_per_chunk - 1) of a round.
+template <int F>
+__device__ __forceinline__ void step_scales(const Round<F>& r, int i, float2& ws, float2& wm) {
+  if constexpr (F == kQ4_K) {
+    const float2 r0 = q4k_scale_min(r.h[0], i), r1 = q4k_scale_min(r.h[1], i);
+    ws = make_float2(r0.x, r1.x);
+    wm = make_float2(r0.y, r1.y);
+  } else if constexpr (F == kMXFP4) {
+    ws = make_float2(e8m0_half((uint8_t)(r.s[i] & 0xFF)), e8m0_half((uint8_t)((r.s[i] >> 8) & 0xFF)));
+  } else {
+    const uint32_t bits = F == kTQ2 ? r.s[i / 8] : r.s[i];
+    ws = __half22float2(*reinterpret_cast<const __half2*>(&bits));
+  }
+}
+
+template <int F, int NT>
+__device__ __forceinline__ void int8_step(const MmArgs& p, const XView& x, const uint32_t (&a)[4], float2 ws,
+                                          float2 wm, int64_t step, int tb, int g, int t, float (&acc)[NT][4]) {
+  const int64_t kb = p.k / 32;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int tok = tb + nt * 8 + g;
+    uint32_t b0 = 0, b1 = 0;
+    if (tok < p.n) {
+      const int8_t* xr = x.q + (int64_t)(tok - x.tok0) * p.k + step * 32 + 4 * t;
+      b0 = *reinterpret_cast<const uint32_t*>(xr);
+      b1 = *reinterpret_cast<const uint32_t*>(xr + 16);
+    }
+    int c[4] = {0, 0, 0, 0};
+    mma_s8(c, a, b0, b1);
+    const int t0 = tb + nt * 8 + 2 * t, t1 = t0 + 1;
+    const int64_t r0 = (int64_t)(t0 - x.tok0) * kb + step, r1 = r0 + kb;
+    const float xs0 = t0 < p.n ? x.s[r0] : 0.f, xs1 = t1 < p.n ? x.s[r1] : 0.f;
+    if constexpr (F == kQ4_K) {
+      const float m0 = t0 < p.n ? (float)x.sum[r0] : 0.f;
+      const float m1 = t1 < p.n ? (float)x.sum[r1] : 0.f;
+      acc[nt][0] += xs0 * (ws.x * (float)c[0] - wm.x * m0);
+      acc[nt][1] += xs1 * (ws.x * (float)c[1] - wm.x * m1);
+      acc[nt][2] += xs0 * (ws.y * (float)c[2] - wm.y * m0);
+      acc[nt][3] += xs1 * (ws.y * (float)c[3] - wm.y * m1);
+    } else {
+      acc[nt][0] += (float)c[0] * (ws.x * xs0);
+      acc[nt][1] += (float)c[1] * (ws.x * xs1);
+      acc[nt][2] += (float)c[2] * (ws.y * xs0);
+      acc[nt][3] += (float)c[3] * (ws.y * xs1);
+    }
+  }
+}
+
+template <int F, int NT>
+__device__ __forceinline__ void half_chunk(const MmArgs& p, const XView& x, const uint4& w, int64_t step, int tb,
+                                           int g, int t, float (&acc)[NT][4]) {
+  const uint32_t a[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int tok = tb + nt * 8 + g;
+    uint32_t h0 = 0, h1 = 0, l0 = 0, l1 = 0;
+    if (tok < p.n) {
+      const int64_t o = (int64_t)(tok - x.tok0) * p.k + step * 16 + 2 * t;
+      h0 = *reinterpret_cast<const uint32_t*>(x.hi + o);
+      h1 = *reinterpret_cast<const uint32_t*>(x.hi + o + 8);
+      l0 = *reinterpret_cast<const uint32_t*>(x.lo + o);
+      l1 = *reinterpret_cast<const uint32_t*>(x.lo + o + 8);
+    }
+    mma_half<F == kBF16>(acc[nt], a, l0, l1);
+    mma_half<F == kBF16>(acc[nt], a, h0, h1);
+  }
+}
+
+template <int F, int NT>
+__device__ __forceinline__ void compute_round(const MmArgs& p, const XView& x, const Round<F>& r, int64_t c0, int tb,
+                                              int g, int t, float (&acc)[NT][4]) {
+#pragma unroll
+  for (int u = 0; u < kRound; ++u) {
+    if (c0 + u >= p.n_chunks) break;
+    if constexpr (F == kF16 || F == kBF16) {
+      half_chunk<F, NT>(p, x, r.w[u], c0 + u, tb, g, t, acc);
+    } else {
+#pragma unroll
+      for (int j = 0; j < steps_per_chunk(F); ++j) {
+        const int64_t step = (c0 + u) * steps_per_chunk(F) + j;
+        if (step >= p.n_steps) break;
+        uint32_t a[4];
+        int8_operand<F>(r.w[u], j, a);
+        float2 ws, wm = make_float2(0.f, 0.f);
+        step_scales<F>(r, u * steps_per_chunk(F) + j, ws, wm);
+        int8_step<F, NT>(p, x, a, ws, wm, step, tb, g, t, acc);
+      }
+    }
+  }
+}
+
+__host__ __device__ constexpr bool half_fmt(int f) { return f == kF16 || f == kBF16; }
+
+// Shared-memory bytes for `nt` tokens of staged activations: codes, block scales and (Q4_K) block sums,
+// or the hi and lo halves.
+__host__ __device__ constexpr size_t staged_bytes(int f, int64_t k, int nt) {
+  return half_fmt(f) ? (size_t)nt * k * 4 : (size_t)nt * (k + k / 32 * 8);
+}
+
+// The ActKind (as int) a weight format reads its input in.
+__host__ __device__ constexpr int act_kind_of(int f) {
+  return f == kF16 ? (int)ActKind::F16 : f == kBF16 ? (int)ActKind::BF16
+       : f == kQ4_K || f == kTQ2 ? (int)ActKind::Q8_K : (int)ActKind::Q8_0;
+}
+
+// Shared-memory views of the staged activations, laid out as an ActBuf of nt rows (what emit() writes).
+template <int F>
+__device__ ActBuf staged_buf(int64_t k, int nt, uint8_t* sm) {
+  ActBuf o;
+  o.kind = (ActKind)act_kind_of(F);
+  o.k = k;
+  o.n_cap = nt;
+  if constexpr (half_fmt(F)) {
+    o.hi = reinterpret_cast<uint16_t*>(sm);
+    o.lo = o.hi + nt * k;
+  } else {
+    o.q = reinterpret_cast<int8_t*>(sm);
+    o.scale = reinterpret_cast<float*>(sm + nt * k);
+    o.sum = reinterpret_cast<int32_t*>(o.scale + nt * (k / 32));
+  }
+  return o;
+}
+
+__device__ __forceinline__ XView view_of(const ActBuf& o, int tok0) {
+  return XView{o.q, o.scale, o.sum, o.hi, o.lo, tok0};
+}
+
+// Fused preparation: the CTA computes RMSNorm / SwiGLU / plain of its tokens and quantizes them into shared
+// memory with the same functions (and CTA size) as prep_kernel, so the codes equal the unfused path's.
+template <int F>
+__device__ XView stage_prep(const MmArgs& p, int tb, int nt, uint8_t* sm) {
+  ActBuf o = staged_buf<F>(p.k, nt, sm);
+  constexpr int kind = act_kind_of(F);
+  switch (p.prep.mode) {
+    case Prep::Plain: prep_rows<kind, (int)Prep::Plain>(p.prep, tb, nt, o); break;
+    case Prep::RmsNorm: prep_rows<kind, (int)Prep::RmsNorm>(p.prep, tb, nt, o); break;
+    case Prep::SwiGlu: prep_rows<kind, (int)Prep::SwiGlu>(p.prep, tb, nt, o); break;
+  }
+  __syncthreads();
+  return view_of(o, tb);
+}
+
+// Copies the CTA's tokens [tb, tb + nt) of the activation buffers to shared memory (16-byte copies for the
+// codes and halves: k is a multiple of 32, resp. 16, and the buffers are 256-byte aligned).
+template <int F>
+__device__ XView stage_x(const MmArgs& p, int tb, int nt, uint8_t* sm) {
+  ActBuf o = staged_buf<F>(p.k, nt, sm);
+  const int64_t k = p.k, kb = k / 32;
+  if constexpr (half_fmt(F)) {
+    const uint4* shi = reinterpret_cast<const uint4*>(p.xhi + tb * k);
+    const uint4* slo = reinterpret_cast<const uint4*>(p.xlo + tb * k);
+    for (int64_t i = threadIdx.x; i < nt * k / 8; i += blockDim.x) {
+      reinterpret_cast<uint4*>(o.hi)[i] = shi[i];
+      reinterpret_cast<uint4*>(o.lo)[i] = slo[i];
+    }
+  } else {
+    const uint4* sq = reinterpret_cast<const uint4*>(p.xq + tb * k);
+    for (int64_t i = threadIdx.x; i < nt * k / 16; i += blockDim.x) reinterpret_cast<uint4*>(o.q)[i] = sq[i];
+    for (int64_t i = threadIdx.x; i < nt * kb; i += blockDim.x) {
+      o.scale[i] = p.xs[tb * kb + i];
+      if constexpr (F == kQ4_K) o.sum[i] = p.xsum[tb * kb + i];
+    }
+  }
+  __syncthreads();
+  return view_of(o, tb);
+}
+
+// Sums the 8 warps' partial tiles in a fixed order (deterministic) and writes (or adds) the outputs.
+template <int NT>
+__device__ __forceinline__ void reduce_tile(const MmArgs& p, int64_t tile, int tb, int warp, int lane,
+                                            const float (&acc)[NT][4], float (*red)[NT * 4][32]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) red[warp][nt * 4 + i][lane] = acc[nt][i];
+  __syncthreads();
+  for (int e = threadIdx.x; e < NT * 4 * 32; e += blockDim.x) {
+    const int i = e / 32, ln = e % 32;
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) v += red[w][i][ln];
+    const int gg = ln >> 2, tt = ln & 3, nt = i / 4, ci = i % 4;
+    const int64_t r = tile * 16 + gg + 8 * (ci >> 1);
+    const int tok = tb + nt * 8 + 2 * tt + (ci & 1);
+    if (r < p.n_out && tok < p.n) {
+      float* dst = p.y + (int64_t)tok * p.ldy + r;
+      *dst = p.accumulate ? *dst + v : v;
+    }
+  }
+  __syncthreads();  // red is reused by the next tile
+}
+
+// The work items of a CTA: (tile, round) pairs, tiles blockIdx.x, + gridDim.x, ..., each tile's rounds in
+// order. Every warp walks the same sequence (a warp whose chunks lie past the end of k loads and computes
+// nothing), so the per-tile reduction, which synchronizes the CTA, comes at the same item for all warps.
+struct Items {
+  int64_t rounds, n, c_first;
+  __device__ Items(const MmArgs& p, int warp) {
+    constexpr int64_t kStride = (int64_t)kWarps * kRound;
+    rounds = (p.n_chunks + kStride - 1) / kStride;
+    const int64_t my_tiles = blockIdx.x < p.tiles ? (p.tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+    n = rounds * my_tiles;
+    c_first = (int64_t)warp * kRound;
+  }
+  __device__ int64_t tile(int64_t i) const { return blockIdx.x + (i / rounds) * (int64_t)gridDim.x; }
+  __device__ int64_t chunk(int64_t i) const { return c_first + (i % rounds) * kWarps * kRound; }
+  __device__ bool ends_tile(int64_t i) const { return i % rounds == rounds - 1; }
+};
+
+// Item i: requests item i + 1 into `next`, computes `cur`, and reduces the tile after its last round.
+template <int F, int NT>
+__device__ __forceinline__ void run_item(const MmArgs& p, const XView& x, const Items& it, int64_t i,
+                                         const Round<F>& cur, Round<F>& next, int tb, int warp, int lane,
+                                         float (&acc)[NT][4], float (*red)[NT * 4][32]) {
+  if (i + 1 < it.n) load_round<F>(p, it.tile(i + 1), it.chunk(i + 1), lane, next);
+  compute_round<F, NT>(p, x, cur, it.chunk(i), tb, lane >> 2, lane & 3, acc);
+  if (it.ends_tile(i)) {
+    reduce_tile<NT>(p, it.tile(i), tb, warp, lane, acc, red);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+  }
+}
+
+// A persistent CTA over its items, 8 warps splitting each tile's k. Two rounds of registers alternate
+// (the loop is unrolled by two, so no round is ever copied: a register copy would wait for the loads in
+// flight and undo the overlap): the next round, possibly of the next tile, is always in flight while the
+// current one computes, and the HBM latency is paid once per CTA, not once per tile. The first round is
+// requested before pdl_wait (weights do not depend on the previous kernel), so under programmatic
+// dependent launch the weight stream starts while the producer of x is still finishing. Activations come
+// from shared memory when they fit.
+template <int F, int NT>
+__global__ void __launch_bounds__(kWarps * 32, NT == 4 ? 1 : 2) mm_kernel(MmArgs p) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ float red[kWarps][NT * 4][32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int tb = blockIdx.y * 8 * NT;
+  const Items it(p, warp);
+  Round<F> ra{}, rb{};
+  if (it.n > 0) load_round<F>(p, it.tile(0), it.chunk(0), lane, ra);
+  pdl_trigger();
+  pdl_wait();
+  XView x{p.xq, p.xs, p.xsum, p.xhi, p.xlo, 0};
+  if (p.fuse_prep) x = stage_prep<F>(p, tb, min(8 * NT, p.n - tb), smem);
+  else if (p.stage_x) x = stage_x<F>(p, tb, min(8 * NT, p.n - tb), smem);
+  float acc[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+  for (int64_t i = 0; i < it.n; i += 2) {
+    run_item<F, NT>(p, x, it, i, ra, rb, tb, warp, lane, acc, red);
+    if (i + 1 < it.n) run_item<F, NT>(p, x, it, i + 1, rb, ra, tb, warp, lane, acc, red);
+  }
+}
+
+// F32 weights (test models): a warp per row, up to 8 tokens per CTA row.
+__global__ void mm_f32_kernel(MmArgs p) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t r = blockIdx.x * (int64_t)kWarps + warp;
+  const int tb = blockIdx.y * 8;
+  pdl_trigger();
+  pdl_wait();
+  if (r >= p.n_out) return;
+  const float* w = reinterpret_cast<const float*>(p.q) + r * p.k;
+  for (int tok = tb; tok < min(tb + 8, p.n); ++tok) {
+    const float* x = p.xf + (int64_t)tok * p.k;
+    float s = 0.f;
+    for (int64_t i = lane; i < p.k; i += 32) s += w[i] * x[i];
+    s = warp_sum(s);
+    if (lane == 0) {
+      float* dst = p.y + (int64_t)tok * p.ldy + r;
+      *dst = p.accumulate ? *dst + s : s;
+    }
+  }
+}
+
+// Shared memory a CTA may use for staged activations: two CTAs per SM below NT = 4, one at NT = 4.
+constexpr size_t kStageMax[3] = {64 << 10, 64 << 10, 160 << 10};
+int g_sm_count = 0;
+// Resident CTAs per SM of mm_kernel<F, NT> without / with staged activations (sizes the persistent grid).
+int g_resident[8][3][2] = {};
+
+constexpr int nt_index(int nt) { return nt == 1 ? 0 : nt == 2 ? 1 : 2; }
+
+template <int F, int NT>
+void launch_nt(MmArgs p, Stream stream, int64_t tiles) {
+  constexpr int ni = nt_index(NT);
+  const size_t staged = staged_bytes(F, p.k, std::min(8 * NT, p.n));
+  p.stage_x = staged <= kStageMax[ni] ? 1 : 0;
+  MERLIN_CHECK(p.stage_x || !p.fuse_prep, "matmul: a fused preparation needs the activations in shared memory");
+  const int64_t resident = (int64_t)g_sm_count * std::max(1, g_resident[F][ni][p.stage_x]);
+  const dim3 grid((unsigned)std::min(tiles, resident), (unsigned)((p.n + 8 * NT - 1) / (8 * NT)));
+  launch_pdl(mm_kernel<F, NT>, grid, kWarps * 32, p.stage_x ? staged : 0, stream, p);
+}
+
+template <int F>
+void launch_fmt(const MmArgs& p, Stream stream, int64_t tiles) {
+  if (p.n <= 8) launch_nt<F, 1>(p, stream, tiles);
+  else if (p.n <= 16) launch_nt<F, 2>(p, stream, tiles);
+  else launch_nt<F, 4>(p, stream, tiles);
+}
+
+template <int F, int NT>
+void prepare_kernel() {
+  constexpr int ni = nt_index(NT);
+  MERLIN_CUDA_CHECK(
+      cudaFuncSetAttribute(mm_kernel<F, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kStageMax[ni]));
+  for (int staged = 0; staged < 2; ++staged)
+    MERLIN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&g_resident[F][ni][staged], mm_kernel<F, NT>,
+                                                                     kWarps * 32, staged ? kStageMax[ni] : 0));
+}
+
+template <int F>
+void allow_staging() {
+  prepare_kernel<F, 1>();
+  prepare_kernel<F, 2>();
+  prepare_kernel<F, 4>();
+}
+
+}  // namespace
+
+// Once per process, before any product can be launched (so never inside a graph capture): the kernels'
+// shared-memory limits and the SM count that sizes the persistent grids.
+void init_matmul_kernels() {
+  static const bool done = [] {
+    int dev = 0;
+    MERLIN_CUDA_CHECK(cudaGetDevice(&dev));
+    MERLIN_CUDA_CHECK(cudaDeviceGetAttribute(&g_sm_count, cudaDevAttrMultiProcessorCount, dev));
+    allow_staging<kQ8_0>();
+    allow_staging<kQ4_0>();
+    allow_staging<kMXFP4>();
+    allow_staging<kQ4_K>();
+    allow_staging<kTQ2>();
+    allow_staging<kF16>();
+    allow_staging<kBF16>();
+    return true;
+  }();
+  (void)done;
+}
+
+namespace {
+
+MmArgs product_args(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out_rows,
+                    bool accumulate) {
+  const Geometry geo = geometry(w.fmt, w.rows, w.k);
+  return MmArgs{w.q, w.s, w.k, geo.n_steps, geo.n_chunks, geo.n_super, x.q, x.scale, x.sum, x.hi, x.lo, x.f,
+                n, d_y, ldy, std::min(n_out_rows, w.rows), w.rows, accumulate ? 1 : 0, geo.tiles, 0, 0, PrepArgs{}};
+}
+
+void launch_product(int fmt, const MmArgs& p, Stream stream) {
+  switch (fmt) {
+    case kF32: {
+      const dim3 grid((unsigned)((p.rows + kWarps - 1) / kWarps), (unsigned)((p.n + 7) / 8));
+      launch_pdl(mm_f32_kernel, grid, kWarps * 32, 0, stream, p);
+      break;
+    }
+    case kQ8_0: launch_fmt<kQ8_0>(p, stream, p.tiles); break;
+    case kQ4_0: launch_fmt<kQ4_0>(p, stream, p.tiles); break;
+    case kMXFP4: launch_fmt<kMXFP4>(p, stream, p.tiles); break;
+    case kQ4_K: launch_fmt<kQ4_K>(p, stream, p.tiles); break;
+    case kTQ2: launch_fmt<kTQ2>(p, stream, p.tiles); break;
+    case kF16: launch_fmt<kF16>(p, stream, p.tiles); break;
+    case kBF16: launch_fmt<kBF16>(p, stream, p.tiles); break;
+    default: fail("matmul: bad matrix format");
+  }
+  check_launch("matmul");
+}
+
+// Most activation elements (tokens x k) a product prepares itself: every CTA repeats the preparation, so
+// only short rows are worth it (the 7.19B model's 16384-wide down projection never qualifies).
+constexpr int64_t kFuseMaxElems = 8192;
+
+}  // namespace
+
+bool prep_fuses(const Matrix& w, int n) {
+  return w.fmt != kF32 && n >= 1 && n <= 8 && (int64_t)n * w.k <= kFuseMaxElems &&
+         staged_bytes(w.fmt, w.k, n) <= kStageMax[0];
+}
+
+void matmul(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out_rows, bool accumulate,
+            Stream stream) {
+  if (n <= 0) return;
+  MERLIN_CHECK(x.kind == w.act() && x.k == w.k && n <= x.n_cap, "matmul: activation buffer does not fit the matrix");
+  launch_product(w.fmt, product_args(w, x, n, d_y, ldy, n_out_rows, accumulate), stream);
+}
+
+void matmul_prep(const Matrix& w, const PrepArgs& prep, ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out_rows,
+                 bool accumulate, Stream stream) {
+  if (n <= 0) return;
+  if (!prep_fuses(w, n)) {
+    prep_act(prep, n, x, stream);
+    matmul(w, x, n, d_y, ldy, n_out_rows, accumulate, stream);
+    return;
+  }
+  MERLIN_CHECK(x.kind == w.act() && x.k == w.k && n <= x.n_cap, "matmul: activation buffer does not fit the matrix");
+  MmArgs p = product_args(w, x, n, d_y, ldy, n_out_rows, accumulate);
+  p.fuse_prep = 1;
+  p.prep = prep;
+  launch_product(w.fmt, p, stream);
+}
+
+}  // namespace merlin::cuda

@@ -1,0 +1,70 @@
+// Internal weight formats of the CUDA matrix products and the geometry of their fragment-ordered layout
+// (ops.h): shared by the repacking (repack.cu) and the product kernels (matmul.cu).
+#pragma once
+#include <cstdint>
+#include <cstddef>
+
+#include "core/dtype.h"
+
+namespace merlin::cuda {
+
+enum Fmt : int { kF32 = 0, kQ8_0, kQ4_0, kMXFP4, kQ4_K, kTQ2, kF16, kBF16 };
+
+
+// k-steps covered by one 16-byte chunk per lane, and elements per k-step.
+__host__ __device__ constexpr int steps_per_chunk(int f) {
+  return f == kQ4_0 || f == kMXFP4 || f == kQ4_K ? 2 : f == kTQ2 ? 4 : 1;
+}
+__host__ __device__ constexpr int step_k(int f) { return f == kF16 || f == kBF16 ? 16 : 32; }
+
+inline int fmt_of(DType t) {
+  switch (t) {
+    case DType::F32: return kF32;
+    case DType::F16: return kF16;
+    case DType::BF16: return kBF16;
+    case DType::Q8_0: return kQ8_0;
+    case DType::Q4_0: return kQ4_0;
+    case DType::MXFP4: return kMXFP4;
+    case DType::Q4_K: return kQ4_K;
+    case DType::TQ2_0:
+    case DType::TQ1_0: return kTQ2;  // TQ1_0 holds the same trits and scale: stored as TQ2_0
+    default: return -1;
+  }
+}
+
+// Position of row rr (0..15) of a tile in the per-tile scale arrays: rows g and g + 8 sit side by side, so
+// the lane that needs both reads one 2-element vector.
+__host__ __device__ constexpr int pair_pos(int rr) { return (rr & 7) * 2 + (rr >> 3); }
+
+struct Geometry {
+  int64_t tiles, n_steps, n_chunks, n_super;
+  size_t q_bytes, s_bytes;
+};
+
+inline Geometry geometry(int f, int64_t rows_pad, int64_t k) {
+  Geometry g{};
+  g.tiles = rows_pad / 16;
+  if (f == kF32) {
+    g.q_bytes = (size_t)rows_pad * k * 4;
+    return g;
+  }
+  g.n_steps = k / step_k(f);
+  g.n_chunks = (g.n_steps + steps_per_chunk(f) - 1) / steps_per_chunk(f);
+  g.n_super = k / 256;
+  g.q_bytes = (size_t)g.tiles * g.n_chunks * 512;
+  switch (f) {
+    case kQ8_0:
+    case kQ4_0: g.s_bytes = (size_t)g.tiles * g.n_steps * 16 * 2; break;
+    case kMXFP4: g.s_bytes = (size_t)g.tiles * g.n_steps * 16; break;
+    case kTQ2: g.s_bytes = (size_t)g.tiles * g.n_super * 16 * 2; break;
+    case kQ4_K: g.s_bytes = (size_t)g.tiles * g.n_super * 16 * 16; break;
+    default: break;
+  }
+  return g;
+}
+
+// Sets the product kernels' shared-memory limits and reads the SM count that sizes their persistent grids;
+// upload_matrix calls it, so it runs before any product is launched (never inside a graph capture).
+void init_matmul_kernels();
+
+}  // namespace merlin::cuda

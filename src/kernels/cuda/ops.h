@@ -1,0 +1,134 @@
+// Host entry points of the CUDA kernels (plain C++: the backend and the tests include this without CUDA
+// headers). All pointers named d_* are device pointers; every call is asynchronous on `stream`.
+//
+// Matrices are repacked at upload into "fragment order": tiles of 16 rows, and within a tile, for each
+// k-step of the tensor-core instruction (mma.sync m16n8k32 for int8, m16n8k16 for f16/bf16), the 16 bytes
+// that lane L of a warp needs as its A operand lie at offset 16 * L. A warp then streams a weight matrix
+// with one coalesced 16-byte load per lane per step, the layout Marlin uses. Quantized weights keep their
+// integer codes and block scales (no precision is lost); activations are quantized the way the CPU backend
+// does (Q8_0 blocks of 32, or Q8_K super-blocks of 256), so the integer block sums equal the CPU's exactly.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "core/dtype.h"
+
+struct CUstream_st;
+
+namespace merlin::cuda {
+
+using Stream = CUstream_st*;
+
+// ---- device memory ----
+void* dev_alloc(size_t bytes);  // zero-filled; throws merlin::Error when out of memory
+void dev_free(void* p);
+void copy_to_device(void* d_dst, const void* src, size_t bytes);
+void copy_to_host(void* dst, const void* d_src, size_t bytes);
+void sync_device();
+size_t allocated_bytes();  // bytes currently held through dev_alloc
+
+// ---- activations ----
+// The format a matrix reads its input in.
+enum class ActKind : int { F32 = 0, Q8_0 = 1, Q8_K = 2, F16 = 3, BF16 = 4 };
+ActKind act_kind_for(DType weight_type);
+
+// Activation planes for up to n_cap rows of k elements (only the planes `kind` uses are allocated).
+struct ActBuf {
+  ActKind kind = ActKind::F32;
+  int64_t k = 0;
+  int n_cap = 0;
+  float* f = nullptr;      // F32: [n][k]
+  int8_t* q = nullptr;     // Q8_*: [n][k] int8 codes
+  float* scale = nullptr;  // Q8_*: [n][k/32] block scale (Q8_K: the super-block's d, repeated)
+  int32_t* sum = nullptr;  // Q8_*: [n][k/32] sum of the block's codes (used by Q4_K's mins)
+  uint16_t* hi = nullptr;  // F16/BF16: [n][k] x rounded
+  uint16_t* lo = nullptr;  // F16/BF16: [n][k] x - hi rounded (hi + lo carries ~16 significant bits)
+};
+ActBuf act_alloc(ActKind kind, int64_t k, int n_cap);
+void act_free(ActBuf& a);
+
+// What prep_act computes per row t (reading row src_row = rows ? rows[t] : t of x, ld elements apart):
+enum class Prep : int {
+  Plain = 0,    // v = x
+  RmsNorm = 1,  // v = x / rms(x) * w, as the CPU's rmsnorm
+  SwiGlu = 2,   // v = silu(x[i]) * x[i + glu_offset]
+};
+struct PrepArgs {
+  Prep mode = Prep::Plain;
+  const float* d_x = nullptr;
+  int64_t ld = 0;
+  const float* d_w = nullptr;  // RmsNorm weights
+  float eps = 0;
+  int64_t glu_offset = 0;      // SwiGlu: where the up half starts in a row
+  const int32_t* d_rows = nullptr;
+};
+void prep_act(const PrepArgs& p, int n, ActBuf& out, Stream stream);
+
+// ---- matrices ----
+struct Matrix {
+  DType type = DType::F32;  // the GGUF type it was made from (TQ1_0 is stored as TQ2_0)
+  int fmt = 0;              // internal format id (ops.cu)
+  int64_t rows = 0;         // output rows, each part padded to a multiple of 16
+  int64_t k = 0;
+  uint8_t* q = nullptr;     // fragment-ordered codes (or raw F32 rows)
+  uint8_t* s = nullptr;     // scales
+  size_t bytes = 0;
+  ActKind act() const;
+};
+// One source matrix in GGUF layout (host memory): rows x k elements of `type`, row_bytes apart.
+struct MatrixPart {
+  DType type;
+  const void* data;
+  int64_t rows, k;
+  size_t row_bytes;
+};
+// Uploads parts stacked by rows (part i starts at row offset sum of padded rows before it); all parts share
+// type and k. `staging` is reused scratch for the raw upload (grown as needed).
+Matrix upload_matrix(const MatrixPart* parts, int n_parts, Stream stream);
+void free_matrix(Matrix& m);
+bool matrix_type_supported(DType t);
+int64_t padded_rows(int64_t rows);  // rows rounded up to the tile of 16
+
+// y[t * ldy + r] (= or +=) sum_i W[r][i] x[t][i] for r < n_out_rows, t < n.
+void matmul(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out_rows, bool accumulate,
+            Stream stream);
+// prep_act(prep, n, x) then matmul(w, x, ...), with the same results bit for bit. When prep_fuses(w, n)
+// (decode-sized batches of short rows) it is one launch: each CTA of the product prepares its tokens in
+// shared memory and x is not written.
+bool prep_fuses(const Matrix& w, int n);
+void matmul_prep(const Matrix& w, const PrepArgs& prep, ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out_rows,
+                 bool accumulate, Stream stream);
+
+// ---- model ops ----
+// x[t][:] = dequantized row tokens[t] of a raw GGUF matrix (d_table, row_bytes apart).
+void embed(DType type, const void* d_table, size_t row_bytes, int64_t dim, const int32_t* d_tokens, int n, float* d_x,
+           Stream stream);
+
+// K/V cache geometry shared by rope_kv and attention.
+struct KvArgs {
+  void* d_k = nullptr;             // [n_blocks * block_size][kv_dim], F16 or F32
+  void* d_v = nullptr;
+  bool f16 = true;
+  int block_size = 16;
+  int max_blocks = 0;              // table row length per sequence
+  const int32_t* d_table = nullptr;  // [n_seq][max_blocks]
+};
+// Applies RoPE to q and k of each row of qkv (q at column 0, k at k_off, v at v_off, ld apart) with the
+// host-built cos/sin table ([n_ctx][n_rot/2] pairs), and writes k and v to the cache at (seq[t], pos[t]).
+void rope_kv(float* d_qkv, int64_t ld, int64_t k_off, int64_t v_off, int n, const int32_t* d_pos,
+             const int32_t* d_seq, const float* d_cos_sin, int n_heads, int n_kv_heads, int head_dim, int n_rot,
+             const KvArgs& kv, Stream stream);
+// out[t][h * hd ..] = softmax(q_h . K^T / sqrt(hd)) V over positions 0..pos[t] of seq[t].
+void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32_t* d_pos, const int32_t* d_seq,
+               int n_heads, int n_kv_heads, int head_dim, int n_ctx, const KvArgs& kv, float* d_out, Stream stream);
+void attention_prepare(int n_ctx);  // raises the kernel's shared-memory limit for n_ctx positions
+
+// ---- sampling ----
+// d_out[r] = index of the largest of the n values of row r (rows ld floats apart), the lowest index on ties:
+// what argmax() in runtime/sampler.h returns for the same row.
+void argmax_rows(const float* d_logits, int64_t ld, int n_rows, int64_t n, int32_t* d_out, Stream stream);
+
+void check_launch(const char* what);  // throws merlin::Error if the last launch failed
+
+}  // namespace merlin::cuda

@@ -1,0 +1,385 @@
+// CUDA kernels against the CPU scalar references on random data with awkward sizes: activation quantizers
+// (codes and scales bit-identical), RMSNorm and SwiGLU, embedding lookup (bit-identical for every weight
+// type), and the matrix products of every weight type for 1..70 tokens. Skips without a GPU.
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "kernels/cpu/kernels.h"
+#include "kernels/cpu/quant.h"
+#include "kernels/cpu/quant_formats.h"
+#include "kernels/cuda/cuda_api.h"
+#include "kernels/cuda/ops.h"
+#include "test_util.h"
+
+using namespace merlin;
+namespace cu = merlin::cuda;
+
+namespace {
+
+#define REQUIRE_GPU()                                                            \
+  do {                                                                           \
+    std::string why_;                                                            \
+    if (!cu::gpu_available(&why_)) GTEST_SKIP() << "no usable CUDA GPU: " << why_; \
+  } while (0)
+
+std::vector<float> gaussian(size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& f : v) f = dist(rng);
+  return v;
+}
+
+uint16_t random_scale(std::mt19937& rng) {
+  std::uniform_real_distribution<float> d(-0.05f, 0.05f);
+  return f32_to_fp16(d(rng));
+}
+
+// Random bytes with valid, finite scale fields: reaches codes the quantizers never emit (Q8_0's -128,
+// arbitrary Q4_K scales and mins, every MXFP4 code).
+void randomize_blocks(DType type, uint8_t* p, size_t n_blocks, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const size_t bytes = n_blocks * dtype_info(type).block_bytes;
+  for (size_t i = 0; i < bytes; ++i) p[i] = (uint8_t)rng();
+  using namespace kernels::quant;
+  for (size_t b = 0; b < n_blocks; ++b) {
+    switch (type) {
+      case DType::Q8_0: reinterpret_cast<BlockQ8_0*>(p)[b].d = random_scale(rng); break;
+      case DType::Q4_0: reinterpret_cast<BlockQ4_0*>(p)[b].d = random_scale(rng); break;
+      case DType::MXFP4: reinterpret_cast<BlockMxfp4*>(p)[b].e = (uint8_t)(110 + rng() % 30); break;
+      case DType::Q4_K:
+        reinterpret_cast<BlockQ4_K*>(p)[b].d = random_scale(rng);
+        reinterpret_cast<BlockQ4_K*>(p)[b].dmin = random_scale(rng);
+        break;
+      case DType::TQ1_0: {
+        auto& blk = reinterpret_cast<BlockTQ1_0*>(p)[b];
+        blk.d = random_scale(rng);
+        for (uint8_t& q : blk.qs) q = (uint8_t)((q % 243 * 256 + 242) / 243);
+        for (uint8_t& q : blk.qh) q = (uint8_t)((q % 81 * 3 * 256 + 242) / 243);
+        break;
+      }
+      case DType::TQ2_0: {
+        auto& blk = reinterpret_cast<BlockTQ2_0*>(p)[b];
+        blk.d = random_scale(rng);
+        for (uint8_t& q : blk.qs)
+          for (int l = 0; l < 4; ++l)
+            if (((q >> (2 * l)) & 3) == 3) q = (uint8_t)(q & ~(1 << (2 * l)));
+        break;
+      }
+      default: break;
+    }
+  }
+}
+
+// A rows x k matrix of `type` in GGUF layout.
+std::vector<uint8_t> random_matrix(DType type, int64_t rows, int64_t k, uint32_t seed) {
+  const size_t row_bytes = dtype_row_bytes(type, (uint64_t)k);
+  std::vector<uint8_t> m((size_t)rows * row_bytes);
+  if (type == DType::F32 || type == DType::F16 || type == DType::BF16) {
+    const std::vector<float> v = gaussian((size_t)rows * k, seed, 0.1f);
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (type == DType::F32) std::memcpy(&m[4 * i], &v[i], 4);
+      else {
+        const uint16_t h = type == DType::F16 ? f32_to_fp16(v[i]) : f32_to_bf16(v[i]);
+        std::memcpy(&m[2 * i], &h, 2);
+      }
+    }
+  } else {
+    randomize_blocks(type, m.data(), m.size() / dtype_info(type).block_bytes, seed);
+  }
+  return m;
+}
+
+template <class T>
+std::vector<T> download(const T* d, size_t n) {
+  std::vector<T> h(n);
+  cu::copy_to_host(h.data(), d, n * sizeof(T));
+  return h;
+}
+
+float max_abs(const std::vector<float>& v) {
+  float m = 0;
+  for (float x : v) m = std::max(m, std::fabs(x));
+  return m;
+}
+
+// Device copy of host floats, freed at scope exit.
+struct DevFloats {
+  float* p;
+  explicit DevFloats(const std::vector<float>& v) : p(static_cast<float*>(cu::dev_alloc(v.size() * 4))) {
+    cu::copy_to_device(p, v.data(), v.size() * 4);
+  }
+  ~DevFloats() { cu::dev_free(p); }
+};
+
+}  // namespace
+
+TEST(CudaKernels, ActivationQuantizersMatchCpuBits) {
+  REQUIRE_GPU();
+  const int n = 5;
+  const int64_t k = 768;
+  std::vector<float> x = gaussian((size_t)n * k, 7);
+  x[3] = 0;  // a zero, and a whole zero block for the amax == 0 path
+  for (int i = 256; i < 288; ++i) x[i] = 0;
+  x[k + 5] = -x[k + 9] - 0.0f;
+  DevFloats dx(x);
+  for (cu::ActKind kind : {cu::ActKind::Q8_0, cu::ActKind::Q8_K}) {
+    SCOPED_TRACE(kind == cu::ActKind::Q8_0 ? "q8_0" : "q8_k");
+    cu::ActBuf a = cu::act_alloc(kind, k, n);
+    cu::PrepArgs p;
+    p.d_x = dx.p;
+    p.ld = k;
+    cu::prep_act(p, n, a, nullptr);
+    cu::sync_device();
+    const auto q = download(a.q, (size_t)n * k);
+    const auto sc = download(a.scale, (size_t)n * k / 32);
+    const auto sum = download(a.sum, (size_t)n * k / 32);
+    const DType t = kind == cu::ActKind::Q8_0 ? DType::Q8_0 : DType::Q8_K;
+    std::vector<uint8_t> ref(dtype_row_bytes(t, (uint64_t)k));
+    int mismatches = 0;
+    for (int r = 0; r < n; ++r) {
+      if (kind == cu::ActKind::Q8_0) {
+        kernels::quant::quantize_act_row_q8_0(&x[(size_t)r * k], ref.data(), k);
+        const auto* b = reinterpret_cast<const kernels::quant::BlockQ8_0*>(ref.data());
+        for (int64_t j = 0; j < k / 32; ++j) {
+          mismatches += sc[r * k / 32 + j] != fp16_to_f32(b[j].d);
+          int s = 0;
+          for (int i = 0; i < 32; ++i) {
+            mismatches += q[r * k + 32 * j + i] != b[j].qs[i];
+            s += b[j].qs[i];
+          }
+          mismatches += sum[r * k / 32 + j] != s;
+        }
+      } else {
+        ASSERT_TRUE(kernels::quant_quantize_row(DType::Q8_K, &x[(size_t)r * k], ref.data(), k));
+        const auto* b = reinterpret_cast<const kernels::quant::BlockQ8_K*>(ref.data());
+        for (int64_t j = 0; j < k / 32; ++j) {
+          mismatches += sc[r * k / 32 + j] != b[j / 8].d;
+          mismatches += sum[r * k / 32 + j] != b[j / 8].bsums[2 * (j % 8)] + b[j / 8].bsums[2 * (j % 8) + 1];
+          for (int i = 0; i < 32; ++i) mismatches += q[r * k + 32 * j + i] != b[j / 8].qs[32 * (j % 8) + i];
+        }
+      }
+    }
+    EXPECT_EQ(mismatches, 0);
+    cu::act_free(a);
+  }
+}
+
+TEST(CudaKernels, RmsNormAndSwiGluMatchCpu) {
+  REQUIRE_GPU();
+  const auto& ref = kernels::kernels_for(KernelLevel::Scalar);
+  const int n = 3;
+  for (int64_t k : {32, 200, 768, 1000}) {
+    SCOPED_TRACE(k);
+    const std::vector<float> x = gaussian((size_t)n * 2 * k, 11 + (uint32_t)k, 3.0f), w = gaussian((size_t)k, 3);
+    DevFloats dx(x), dw(w);
+    cu::ActBuf a = cu::act_alloc(cu::ActKind::F32, k, n);
+    cu::PrepArgs p{cu::Prep::RmsNorm, dx.p, 2 * k, dw.p, 1e-5f, 0, nullptr};
+    cu::prep_act(p, n, a, nullptr);
+    cu::sync_device();
+    std::vector<float> got = download(a.f, (size_t)n * k), want((size_t)n * k);
+    for (int r = 0; r < n; ++r) ref.rmsnorm(&x[(size_t)r * 2 * k], w.data(), k, 1e-5f, &want[(size_t)r * k]);
+    for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], want[i], 2e-6f * std::fabs(want[i]) + 1e-30f) << i;
+
+    p = cu::PrepArgs{cu::Prep::SwiGlu, dx.p, 2 * k, nullptr, 0, k, nullptr};
+    cu::prep_act(p, n, a, nullptr);
+    cu::sync_device();
+    got = download(a.f, (size_t)n * k);
+    for (int r = 0; r < n; ++r) ref.swiglu(&x[(size_t)r * 2 * k], &x[(size_t)r * 2 * k + k], k, &want[(size_t)r * k]);
+    for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], want[i], 4e-6f * std::fabs(want[i]) + 1e-30f) << i;
+    cu::act_free(a);
+  }
+}
+
+TEST(CudaKernels, EmbeddingRowsAreBitExact) {
+  REQUIRE_GPU();
+  for (DType t : {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::Q4_K,
+                  DType::TQ1_0, DType::TQ2_0}) {
+    SCOPED_TRACE(dtype_name(t));
+    const int64_t rows = 37, dim = 512;
+    const std::vector<uint8_t> m = random_matrix(t, rows, dim, 5);
+    const size_t row_bytes = dtype_row_bytes(t, (uint64_t)dim);
+    void* dm = cu::dev_alloc(m.size());
+    cu::copy_to_device(dm, m.data(), m.size());
+    const std::vector<int32_t> toks = {0, 36, 17, 17, 3};
+    auto* dt = static_cast<int32_t*>(cu::dev_alloc(toks.size() * 4));
+    cu::copy_to_device(dt, toks.data(), toks.size() * 4);
+    auto* dx = static_cast<float*>(cu::dev_alloc(toks.size() * dim * 4));
+    cu::embed(t, dm, row_bytes, dim, dt, (int)toks.size(), dx, nullptr);
+    cu::sync_device();
+    const std::vector<float> got = download(dx, toks.size() * dim);
+    std::vector<float> want(dim);
+    for (size_t i = 0; i < toks.size(); ++i) {
+      kernels::dequantize_row(t, m.data() + toks[i] * row_bytes, want.data(), dim);
+      EXPECT_EQ(std::memcmp(&got[i * dim], want.data(), dim * 4), 0) << "row " << i;
+    }
+    cu::dev_free(dm);
+    cu::dev_free(dt);
+    cu::dev_free(dx);
+  }
+}
+
+// y = W x for every weight type against the scalar CPU kernel (which quantizes x the same way), with rows
+// that are not a multiple of the 16-row tile, k that leaves partial 16-byte chunks, and 1..70 tokens
+// (one, two and four mma column groups, several token tiles). Also checks the accumulate epilogue.
+TEST(CudaKernels, MatmulMatchesScalarCpu) {
+  REQUIRE_GPU();
+  const auto& scalar = kernels::kernels_for(KernelLevel::Scalar);
+  struct Shape { int64_t rows, k; };
+  for (DType t : {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::Q4_K,
+                  DType::TQ1_0, DType::TQ2_0}) {
+    const bool super = t == DType::Q4_K || t == DType::TQ1_0 || t == DType::TQ2_0;
+    const std::vector<Shape> shapes = super ? std::vector<Shape>{{1, 256}, {37, 768}, {130, 1280}}
+                                            : std::vector<Shape>{{1, 32}, {37, 96}, {130, 800}, {17, 4096}};
+    for (const Shape& s : shapes) {
+      for (int n : {1, 5, 8, 9, 17, 33, 70}) {
+        SCOPED_TRACE(std::string(dtype_name(t)) + " rows " + std::to_string(s.rows) + " k " + std::to_string(s.k) +
+                     " tokens " + std::to_string(n));
+        const std::vector<uint8_t> w = random_matrix(t, s.rows, s.k, (uint32_t)(s.rows * 7 + s.k + n));
+        const size_t row_bytes = dtype_row_bytes(t, (uint64_t)s.k);
+        const std::vector<float> x = gaussian((size_t)n * s.k, (uint32_t)n + 100);
+        // CPU reference.
+        const kernels::MatmulKernel* mk = scalar.matmul(t);
+        std::vector<float> want((size_t)n * s.rows);
+        if (mk->act_type == DType::F32) {
+          mk->rows(w.data(), row_bytes, 0, s.rows, x.data(), (size_t)s.k * 4, n, s.k, want.data(), s.rows);
+        } else {
+          const size_t xb = dtype_row_bytes(mk->act_type, (uint64_t)s.k);
+          std::vector<uint8_t> xq(xb * n);
+          mk->quantize_act(x.data(), n, s.k, xq.data());
+          mk->rows(w.data(), row_bytes, 0, s.rows, xq.data(), xb, n, s.k, want.data(), s.rows);
+        }
+        // GPU, accumulating onto y = 1 so the epilogue's += is checked too.
+        const cu::MatrixPart part{t, w.data(), s.rows, s.k, row_bytes};
+        cu::Matrix m = cu::upload_matrix(&part, 1, nullptr);
+        cu::ActBuf a = cu::act_alloc(m.act(), s.k, n);
+        DevFloats dx(x), dy(std::vector<float>((size_t)n * s.rows, 1.0f));
+        cu::PrepArgs p;
+        p.d_x = dx.p;
+        p.ld = s.k;
+        cu::prep_act(p, n, a, nullptr);
+        cu::matmul(m, a, n, dy.p, s.rows, s.rows, true, nullptr);
+        cu::sync_device();
+        const std::vector<float> got = download(dy.p, (size_t)n * s.rows);
+        // Integer block sums are exact on both sides; what differs is the float summation order (and, for
+        // f16/bf16, the hi + lo split of x, ~2^-17 relative per element).
+        const float tol = 2e-5f * max_abs(want) + 1e-6f;
+        float worst = 0;
+        for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::fabs(got[i] - 1.0f - want[i]));
+        EXPECT_LE(worst, tol);
+        cu::act_free(a);
+        cu::free_matrix(m);
+      }
+    }
+  }
+}
+
+TEST(CudaKernels, StackedMatricesKeepTheirRows) {
+  REQUIRE_GPU();
+  const DType t = DType::Q4_0;
+  const int64_t k = 256, r0 = 20, r1 = 7;
+  const auto w0 = random_matrix(t, r0, k, 1), w1 = random_matrix(t, r1, k, 2);
+  const size_t rb = dtype_row_bytes(t, k);
+  const cu::MatrixPart parts[2] = {{t, w0.data(), r0, k, rb}, {t, w1.data(), r1, k, rb}};
+  cu::Matrix both = cu::upload_matrix(parts, 2, nullptr), a0 = cu::upload_matrix(&parts[0], 1, nullptr),
+             a1 = cu::upload_matrix(&parts[1], 1, nullptr);
+  ASSERT_EQ(both.rows, cu::padded_rows(r0) + cu::padded_rows(r1));
+  const int n = 3;
+  const std::vector<float> x = gaussian((size_t)n * k, 9);
+  DevFloats dx(x), y(std::vector<float>((size_t)n * both.rows)), y0(std::vector<float>((size_t)n * r0)),
+      y1(std::vector<float>((size_t)n * r1));
+  cu::ActBuf a = cu::act_alloc(both.act(), k, n);
+  cu::PrepArgs p;
+  p.d_x = dx.p;
+  p.ld = k;
+  cu::prep_act(p, n, a, nullptr);
+  cu::matmul(both, a, n, y.p, both.rows, both.rows, false, nullptr);
+  cu::matmul(a0, a, n, y0.p, r0, r0, false, nullptr);
+  cu::matmul(a1, a, n, y1.p, r1, r1, false, nullptr);
+  cu::sync_device();
+  const auto gy = download(y.p, (size_t)n * both.rows), g0 = download(y0.p, (size_t)n * r0),
+             g1 = download(y1.p, (size_t)n * r1);
+  for (int t2 = 0; t2 < n; ++t2) {
+    for (int64_t r = 0; r < r0; ++r) EXPECT_EQ(gy[t2 * both.rows + r], g0[t2 * r0 + r]);
+    for (int64_t r = 0; r < r1; ++r) EXPECT_EQ(gy[t2 * both.rows + cu::padded_rows(r0) + r], g1[t2 * r1 + r]);
+  }
+  cu::act_free(a);
+  cu::free_matrix(both);
+  cu::free_matrix(a0);
+  cu::free_matrix(a1);
+}
+
+// A product that prepares its own input (RMSNorm with a row selection, SwiGLU, plain; decode-sized batches)
+// gives exactly the bits of the separate preparation kernel followed by the product.
+TEST(CudaKernels, FusedPreparationMatchesSeparateKernels) {
+  REQUIRE_GPU();
+  const int64_t k = 768, rows = 37;
+  const std::vector<float> x = gaussian((size_t)10 * 2 * k, 21, 2.0f), w = gaussian((size_t)k, 22);
+  const std::vector<int32_t> sel = {7, 2, 9, 0, 5, 1, 8, 3};
+  DevFloats dx(x), dw(w);
+  auto* d_sel = static_cast<int32_t*>(cu::dev_alloc(sel.size() * 4));
+  cu::copy_to_device(d_sel, sel.data(), sel.size() * 4);
+  const cu::PrepArgs modes[3] = {{cu::Prep::RmsNorm, dx.p, 2 * k, dw.p, 1e-5f, 0, d_sel},
+                                 {cu::Prep::SwiGlu, dx.p, 2 * k, nullptr, 0, k, nullptr},
+                                 {cu::Prep::Plain, dx.p, 2 * k, nullptr, 0, 0, nullptr}};
+  for (DType t : {DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::Q4_K, DType::TQ2_0}) {
+    const std::vector<uint8_t> wm = random_matrix(t, rows, k, 23);
+    const cu::MatrixPart part{t, wm.data(), rows, k, dtype_row_bytes(t, (uint64_t)k)};
+    cu::Matrix m = cu::upload_matrix(&part, 1, nullptr);
+    cu::ActBuf a = cu::act_alloc(m.act(), k, 8);
+    for (int mode = 0; mode < 3; ++mode) {
+      for (int n : {1, 3, 8}) {
+        SCOPED_TRACE(std::string(dtype_name(t)) + " mode " + std::to_string(mode) + " tokens " + std::to_string(n));
+        ASSERT_TRUE(cu::prep_fuses(m, n));
+        const std::vector<float> ones((size_t)n * rows, 1.0f);
+        DevFloats y_sep(ones), y_fused(ones);
+        cu::prep_act(modes[mode], n, a, nullptr);
+        cu::matmul(m, a, n, y_sep.p, rows, rows, true, nullptr);
+        cu::matmul_prep(m, modes[mode], a, n, y_fused.p, rows, rows, true, nullptr);
+        cu::sync_device();
+        const auto got = download(y_fused.p, (size_t)n * rows), want = download(y_sep.p, (size_t)n * rows);
+        EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * 4), 0);
+        EXPECT_GT(max_abs(want), 0.0f);
+      }
+    }
+    cu::act_free(a);
+    cu::free_matrix(m);
+  }
+  cu::dev_free(d_sel);
+}
+
+// Greedy argmax on the device against the host loop of sampler.h's argmax (first maximum wins): rows with
+// the maximum repeated at several places, all-equal and all -inf rows, lengths around the CTA's 1024 threads.
+TEST(CudaKernels, ArgmaxRowsMatchesHostFirstMaximum) {
+  REQUIRE_GPU();
+  for (int64_t n : {1, 31, 1023, 1025, 50257}) {
+    SCOPED_TRACE(n);
+    const int rows = 6;
+    const int64_t ld = n + 3;  // rows not packed: exercises the stride
+    std::vector<float> h = gaussian((size_t)rows * ld, (uint32_t)n);
+    for (int64_t i = 0; i < n; ++i) {
+      h[(size_t)(1 * ld + i)] = std::round(h[(size_t)(1 * ld + i)]);  // many exact ties at the maximum
+      h[(size_t)(2 * ld + i)] = 0.5f;                                  // all equal: index 0
+      h[(size_t)(3 * ld + i)] = -INFINITY;                             // all -inf: index 0
+    }
+    h[(size_t)(4 * ld + n - 1)] = 100.0f;                              // maximum at the very end
+    if (n > 2) h[(size_t)(5 * ld + n / 2)] = h[(size_t)(5 * ld + n - 1)] = 100.0f;  // tie: the first one
+    DevFloats d(h);
+    auto* out = static_cast<int32_t*>(cu::dev_alloc(rows * sizeof(int32_t)));
+    cu::argmax_rows(d.p, ld, rows, n, out, nullptr);
+    cu::sync_device();
+    std::vector<int32_t> got(rows);
+    cu::copy_to_host(got.data(), out, rows * sizeof(int32_t));
+    cu::dev_free(out);
+    for (int r = 0; r < rows; ++r) {
+      int64_t best = 0;
+      for (int64_t i = 1; i < n; ++i)
+        if (h[(size_t)(r * ld + i)] > h[(size_t)(r * ld + best)]) best = i;
+      EXPECT_EQ(got[r], best) << "row " << r;
+    }
+  }
+}
