@@ -4,6 +4,7 @@
 //   gemv/TYPE/LEVEL/ROWSxK:   one token, reported as GB/s of weight bytes (bytes_per_second).
 //   gemm/TYPE/LEVEL/512x768x768: 512 tokens, reported as GOP/s (2 * rows * k * tokens per call).
 //   quantize_act/ACT/LEVEL: float activations to Q8_0 / Q8_K.
+// LEVEL avx512_packed: the load-time row-interleaved layout (MatmulKernel::packed) where a type has one.
 // Run with --benchmark_repetitions=3 --benchmark_report_aggregates_only=true for medians.
 #include <benchmark/benchmark.h>
 
@@ -52,11 +53,17 @@ struct Problem {
   std::vector<float> y;
   int64_t rows, k, n_tokens;
   size_t w_row, x_row;
+  bool packed;
 
-  Problem(DType type, KernelLevel level, int64_t rows_, int64_t k_, int64_t n_tokens_)
-      : kern(quant_matmul_kernel(type, level)), rows(rows_), k(k_), n_tokens(n_tokens_) {
+  Problem(DType type, KernelLevel level, int64_t rows_, int64_t k_, int64_t n_tokens_, bool packed_ = false)
+      : kern(quant_matmul_kernel(type, level)), rows(rows_), k(k_), n_tokens(n_tokens_), packed(packed_) {
     w = make_weights(type, rows, k);
     w_row = dtype_row_bytes(type, (uint64_t)k);
+    if (packed) {
+      std::vector<uint8_t> p(kern->packed->bytes(rows, k));
+      kern->packed->repack(w.data(), w_row, rows, k, p.data());
+      w.swap(p);
+    }
     x_row = dtype_row_bytes(kern->act_type, (uint64_t)k);
     x.resize(x_row * n_tokens);
     const auto xf = gaussian((size_t)(n_tokens * k), 2, 1.0f);
@@ -65,6 +72,7 @@ struct Problem {
   }
 
   void run(int64_t r0, int64_t r1) {
+    if (packed) return kern->packed->rows(w.data(), 0, r0, r1, x.data(), x_row, n_tokens, k, y.data(), rows);
     kern->rows(w.data(), w_row, r0, r1, x.data(), x_row, n_tokens, k, y.data(), rows);
   }
 
@@ -81,8 +89,8 @@ struct Problem {
   }
 };
 
-void bm_gemv(benchmark::State& state, DType type, KernelLevel level, int64_t rows, int64_t k) {
-  Problem p(type, level, rows, k, 1);
+void bm_gemv(benchmark::State& state, DType type, KernelLevel level, int64_t rows, int64_t k, bool packed) {
+  Problem p(type, level, rows, k, 1, packed);
   for (auto _ : state) {
     p.run(0, rows);
     benchmark::DoNotOptimize(p.y.data());
@@ -91,8 +99,8 @@ void bm_gemv(benchmark::State& state, DType type, KernelLevel level, int64_t row
 }
 
 void bm_gemm(benchmark::State& state, DType type, KernelLevel level, int64_t n_tokens, int64_t rows, int64_t k,
-             int threads) {
-  Problem p(type, level, rows, k, n_tokens);
+             int threads, bool packed) {
+  Problem p(type, level, rows, k, n_tokens, packed);
   for (auto _ : state) {
     p.run_threads(threads);
     benchmark::DoNotOptimize(p.y.data());
@@ -115,23 +123,27 @@ void register_all() {
   const KernelLevel best = best_kernel_level();
   for (KernelLevel level : kLevels) {
     if (level > best) continue;
+    for (DType type : kTypes)
+      for (bool packed : {false, true}) {
+        if (packed && quant_matmul_kernel(type, level)->packed == nullptr) continue;
+        const std::string lv = std::string(kernel_level_name(level)) + (packed ? "_packed" : "");
+        const std::string tn = dtype_name(type);
+        for (auto [rows, k] : {std::pair<int64_t, int64_t>{768, 768}, {2048, 768}, {50257, 768}}) {
+          benchmark::RegisterBenchmark(
+              ("gemv/" + tn + "/" + lv + "/" + std::to_string(rows) + "x" + std::to_string(k)).c_str(), bm_gemv, type,
+              level, rows, k, packed)
+              ->Unit(benchmark::kMicrosecond);
+        }
+        for (int threads : {1, 2}) {
+          if (level == KernelLevel::Scalar && threads == 2) continue;
+          auto* b = benchmark::RegisterBenchmark(
+              ("gemm/" + tn + "/" + lv + "/512x768x768/threads:" + std::to_string(threads)).c_str(), bm_gemm, type,
+              level, 512, 768, 768, threads, packed);
+          b->Unit(benchmark::kMillisecond);
+          if (threads > 1) b->UseRealTime();  // worker threads' CPU time is not the main thread's
+        }
+      }
     const std::string lv = kernel_level_name(level);
-    for (DType type : kTypes) {
-      const std::string tn = dtype_name(type);
-      for (auto [rows, k] : {std::pair<int64_t, int64_t>{768, 768}, {2048, 768}, {50257, 768}}) {
-        benchmark::RegisterBenchmark(("gemv/" + tn + "/" + lv + "/" + std::to_string(rows) + "x" + std::to_string(k)).c_str(),
-                                     bm_gemv, type, level, rows, k)
-            ->Unit(benchmark::kMicrosecond);
-      }
-      for (int threads : {1, 2}) {
-        if (level == KernelLevel::Scalar && threads == 2) continue;
-        auto* b = benchmark::RegisterBenchmark(
-            ("gemm/" + tn + "/" + lv + "/512x768x768/threads:" + std::to_string(threads)).c_str(), bm_gemm, type, level,
-            512, 768, 768, threads);
-        b->Unit(benchmark::kMillisecond);
-        if (threads > 1) b->UseRealTime();  // worker threads' CPU time is not the main thread's
-      }
-    }
     for (DType act : {DType::Q8_0, DType::Q4_K}) {  // Q4_K's kernel quantizes to Q8_K
       const std::string an = act == DType::Q8_0 ? "q8_0" : "q8_k";
       benchmark::RegisterBenchmark(("quantize_act/" + an + "/" + lv + "/512x768").c_str(), bm_quantize_act, act, level,

@@ -1,9 +1,10 @@
-// Load-time repacked layouts (kernels::PackedMatmul, AVX-512 Q8_0 and Q4_0): rows must read back exactly,
-// and on awkward shapes (rows not a multiple of the 16-row group, one row, huge k, row sub-ranges, ldy > rows)
-// the packed kernel must give
-// bit for bit what the row-major kernel of the same level gives (the runtime mixes them and relies on batch
-// invariance), must be independent of the number of tokens per call, and must stay close to the scalar
-// oracle.
+// Load-time repacked layouts (kernels::PackedMatmul, AVX-512 Q8_0, Q4_0, MXFP4, Q4_K and TQ2_0): rows must read back
+// exactly, and on awkward shapes (rows not a multiple of the 16-row group, one row, huge k, row sub-ranges,
+// ldy > rows) the packed kernel must be independent of the number of tokens per call and stay close to the
+// scalar oracle. Q8_0, Q4_0 and MXFP4 must also give bit for bit what the row-major kernel of the same level gives;
+// the packed kernels of the super-block types (Q4_K, TQ2_0) sum each super-block exactly in integers where
+// their row-major tiles convert partial sums per lane, so they only have to be close (the runtime uses one
+// layout or the other for a weight).
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -16,6 +17,7 @@
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/quant.h"
 #include "kernels/cpu/quant_formats.h"
+#include "quant_test_util.h"
 #include "test_util.h"
 
 using namespace merlin;
@@ -34,19 +36,13 @@ std::string describe(DType type, const Case& c, bool raw) {
              ") ldy ", c.ldy, raw ? " raw" : " quantized");
 }
 
-// Weights from the quantizer, or raw random bytes with finite scales (reaches Q8_0's -128).
+// Weights from the quantizer, or raw random bytes with finite scales (reaches Q8_0's -128, any Q4_K scale).
 std::vector<uint8_t> make_weights(DType type, const Case& c, bool raw, uint32_t seed) {
   const size_t w_row = dtype_row_bytes(type, (uint64_t)c.k);
   std::vector<uint8_t> w(w_row * c.rows);
   std::mt19937 rng(seed);
   if (raw) {
-    for (uint8_t& b : w) b = (uint8_t)rng();
-    const size_t block = dtype_info(type).block_bytes;
-    std::uniform_real_distribution<float> d(-0.05f, 0.05f);
-    for (size_t off = 0; off < w.size(); off += block) {
-      const uint16_t h = f32_to_fp16(d(rng));
-      std::memcpy(&w[off], &h, 2);  // both block types start with their fp16 scale
-    }
+    test::randomize_blocks(type, w.data(), w.size() / dtype_info(type).block_bytes, seed);
   } else {
     std::normal_distribution<float> dist(0.0f, 0.05f);
     std::vector<float> wf((size_t)c.k);
@@ -88,6 +84,7 @@ void check_case(DType type, const Case& c, bool raw, uint32_t seed) {
   for (int64_t t = 0; t < c.n_tokens; ++t)  // one token per call: batch invariance
     pm.rows(packed.data(), 0, c.r0, c.r1, &x[t * x_row], x_row, 1, c.k, &y_one[t * c.ldy], c.ldy);
 
+  const bool matches_rows = dtype_info(type).block_size == 32;
   int bad = 0;
   for (int64_t t = 0; t < c.n_tokens; ++t)
     for (int64_t i = 0; i < c.ldy; ++i) {
@@ -97,7 +94,8 @@ void check_case(DType type, const Case& c, bool raw, uint32_t seed) {
           ADD_FAILURE() << describe(type, c, raw) << ": wrote outside its rows at token " << t << " row " << i;
         continue;
       }
-      const bool same = std::memcmp(&y_packed[at], &y_rows[at], 4) == 0 && std::memcmp(&y_one[at], &y_rows[at], 4) == 0;
+      const bool same = std::memcmp(&y_one[at], &y_packed[at], 4) == 0 &&
+                        (!matches_rows || std::memcmp(&y_packed[at], &y_rows[at], 4) == 0);
       const double tol = 1e-4 * (std::fabs((double)y_ref[at]) + 1.0);
       if ((!same || !(std::fabs((double)y_ref[at] - y_packed[at]) <= tol)) && bad++ < 5)
         ADD_FAILURE() << describe(type, c, raw) << ": token " << t << " row " << i << " rows " << y_rows[at]
@@ -105,14 +103,16 @@ void check_case(DType type, const Case& c, bool raw, uint32_t seed) {
     }
 }
 
-std::vector<Case> cases() {
+// k in units of the type's block (32 elements, or 256 for the super-block types).
+std::vector<Case> cases(DType type) {
+  const int64_t kb = (int64_t)dtype_info(type).block_size;
   std::vector<Case> out;
   for (int64_t rows : {1, 15, 16, 17, 50})
-    for (int64_t n_tokens : {1, 3, 8, 9, 70}) out.push_back({rows, 96, n_tokens, 0, rows, rows});
-  out.push_back({40, 32, 5, 16, 37, 45});     // sub-range starting at a group, ending inside one
-  out.push_back({70, 768, 20, 32, 70, 71});   // ldy beyond the rows
-  out.push_back({33, 16384, 2, 0, 33, 33});   // huge k
-  out.push_back({18, 16416, 11, 16, 18, 18}); // odd number of blocks, last group of two rows
+    for (int64_t n_tokens : {1, 3, 8, 9, 70}) out.push_back({rows, 3 * kb, n_tokens, 0, rows, rows});
+  out.push_back({40, kb, 5, 16, 37, 45});           // sub-range starting at a group, ending inside one
+  out.push_back({70, 768, 20, 32, 70, 71});         // ldy beyond the rows
+  out.push_back({33, 16384, 2, 0, 33, 33});         // huge k
+  out.push_back({18, 16384 + kb, 11, 16, 18, 18});  // odd number of blocks, last group of two rows
   return out;
 }
 
@@ -123,11 +123,37 @@ class QuantRepack : public ::testing::TestWithParam<DType> {};
 TEST_P(QuantRepack, PackedMatchesRowMajorBitwise) {
   if (best_kernel_level() < KernelLevel::Avx512) GTEST_SKIP() << "no AVX-512 VNNI on this CPU";
   uint32_t seed = 1;
-  for (const Case& c : cases())
+  for (const Case& c : cases(GetParam()))
     for (bool raw : {false, true}) {
       check_case(GetParam(), c, raw, seed++);
       if (HasFatalFailure()) return;
     }
+}
+
+// The packed MXFP4 kernel widens E8M0 exponents itself rather than reading kE8m0Half: one row per exponent
+// (one block each, so every output is a single product, infinities included) must match the row-major bits.
+TEST(QuantRepackMxfp4, EveryExponentMatchesRowMajor) {
+  if (best_kernel_level() < KernelLevel::Avx512) GTEST_SKIP() << "no AVX-512 VNNI on this CPU";
+  const MatmulKernel* simd = quant_matmul_kernel(DType::MXFP4, KernelLevel::Avx512);
+  const PackedMatmul& pm = *simd->packed;
+  const int64_t rows = 256, k = 32;
+  std::vector<quant::BlockMxfp4> w((size_t)rows);
+  std::mt19937 rng(7);
+  for (int64_t r = 0; r < rows; ++r) {
+    w[(size_t)r].e = (uint8_t)r;
+    for (uint8_t& q : w[(size_t)r].qs) q = (uint8_t)rng();
+  }
+  std::vector<uint8_t> packed(pm.bytes(rows, k));
+  pm.repack(w.data(), sizeof(quant::BlockMxfp4), rows, k, packed.data());
+  const std::vector<float> xf = test::gaussian(3 * k, 8);
+  std::vector<uint8_t> x(3 * dtype_row_bytes(simd->act_type, k));
+  simd->quantize_act(xf.data(), 3, k, x.data());
+  std::vector<float> y_rows(3 * rows), y_packed(3 * rows);
+  simd->rows(w.data(), sizeof(quant::BlockMxfp4), 0, rows, x.data(), x.size() / 3, 3, k, y_rows.data(), rows);
+  pm.rows(packed.data(), 0, 0, rows, x.data(), x.size() / 3, 3, k, y_packed.data(), rows);
+  for (int64_t i = 0; i < 3 * rows; ++i)
+    ASSERT_EQ(0, std::memcmp(&y_rows[(size_t)i], &y_packed[(size_t)i], 4))
+        << "token " << i / rows << " exponent " << i % rows << ": " << y_rows[(size_t)i] << " vs " << y_packed[(size_t)i];
 }
 
 // Lower levels have no packed layout: the runtime then keeps the file's rows.
@@ -138,5 +164,5 @@ TEST_P(QuantRepack, OnlyAvx512HasAPackedLayout) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Types, QuantRepack, ::testing::Values(DType::Q8_0, DType::Q4_0),
+INSTANTIATE_TEST_SUITE_P(Types, QuantRepack, ::testing::Values(DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::Q4_K, DType::TQ2_0),
                          [](const ::testing::TestParamInfo<DType>& i) { return std::string(dtype_name(i.param)); });

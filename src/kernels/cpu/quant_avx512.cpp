@@ -11,7 +11,9 @@ namespace {
 // Batch invariance: an output must not depend on how many tokens share the call. The GEMM accumulates per
 // 32-element block exactly as the TileQ32 decode tiles do; the super-block tiles of Q4_K and the ternary
 // types sum a whole 256-element super-block in integers first, which the GEMM cannot reproduce, so those
-// types run their tiles for every token count (about 20% slower prefill than the GEMM, decode unchanged).
+// types run their tiles for every token count. (Q8_0, Q4_0, MXFP4, Q4_K and TQ2_0 weights normally run the
+// repacked tiles of quant_repack*_avx512.cpp instead; these paths serve MERLIN_REPACK=0, mapped weights and
+// TQ1_0.)
 constexpr bool gemm_matches_tiles(DType type) {
   return type == DType::Q8_0 || type == DType::Q4_0 || type == DType::MXFP4;
 }
@@ -28,10 +30,10 @@ void matmul(MERLIN_MATMUL_ARGS) {
 
 const MatmulKernel kQ8_0{DType::Q8_0, &quantize_rows_q8_0, &matmul<DType::Q8_0, TileQ8_0>, &kPackedQ8_0};
 const MatmulKernel kQ4_0{DType::Q8_0, &quantize_rows_q8_0, &matmul<DType::Q4_0, TileQ4_0>, &kPackedQ4_0};
-const MatmulKernel kMxfp4{DType::Q8_0, &quantize_rows_q8_0, &matmul<DType::MXFP4, TileMxfp4>};
-const MatmulKernel kQ4_K{DType::Q8_K, &quantize_rows_q8_k, &matmul<DType::Q4_K, TileQ4_K>};
+const MatmulKernel kMxfp4{DType::Q8_0, &quantize_rows_q8_0, &matmul<DType::MXFP4, TileMxfp4>, &kPackedMxfp4};
+const MatmulKernel kQ4_K{DType::Q8_K, &quantize_rows_q8_k, &matmul<DType::Q4_K, TileQ4_K>, &kPackedQ4_K};
 const MatmulKernel kTQ1_0{DType::Q8_K, &quantize_rows_q8_k, &matmul<DType::TQ1_0, TileTQ1_0>};
-const MatmulKernel kTQ2_0{DType::Q8_K, &quantize_rows_q8_k, &matmul<DType::TQ2_0, TileTQ2_0>};
+const MatmulKernel kTQ2_0{DType::Q8_K, &quantize_rows_q8_k, &matmul<DType::TQ2_0, TileTQ2_0>, &kPackedTQ2_0};
 
 }  // namespace
 

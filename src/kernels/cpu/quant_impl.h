@@ -27,8 +27,9 @@ namespace avx512 {
 const MatmulKernel* matmul_kernel(DType type);
 // The token-parallel GEMM of quant_gemm_avx512.cpp for any quantized type; false for other types.
 bool gemm(DType type, MERLIN_MATMUL_ARGS);
-// The repacked layouts of quant_repack_avx512.cpp (constant-initialized: no AVX-512 code runs at start-up).
-extern const PackedMatmul kPackedQ8_0, kPackedQ4_0;
+// The repacked layouts of quant_repack_avx512.cpp and quant_repack_k_avx512.cpp (constant-initialized: no
+// AVX-512 code runs at start-up).
+extern const PackedMatmul kPackedQ8_0, kPackedQ4_0, kPackedMxfp4, kPackedQ4_K, kPackedTQ2_0;
 }
 
 }  // namespace merlin::kernels::quant

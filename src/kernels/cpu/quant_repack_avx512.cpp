@@ -1,10 +1,12 @@
-// Row-interleaved ("repacked") Q8_0 and Q4_0 weights for AVX-512 VNNI, made once at load by the backend.
+// Row-interleaved ("repacked") Q8_0, Q4_0 and MXFP4 weights for AVX-512 VNNI, made once at load by the
+// backend (Q4_K: quant_repack_k_avx512.cpp).
 //
 // Layout: rows in groups of kRepackRows = 16 (the last group padded with zero rows); per group, per
-// 32-element block, the 16 rows' fp16 scales (32 bytes) followed by the quants in 64-byte chunks whose
-// 32-bit lane i holds 4 bytes of row i:
+// 32-element block, the 16 rows' scales (fp16, 32 bytes; MXFP4: the E8M0 bytes, 16 bytes) followed by the
+// quants in 64-byte chunks whose 32-bit lane i holds 4 bytes of row i:
 //   Q8_0: 8 chunks, chunk u = quants 4u..4u+3, biased to unsigned (xor 0x80);
-//   Q4_0: 4 chunks, chunk u = the file's nibble bytes 4u..4u+3 (low nibbles: elements 4u.., high: 16 + 4u..).
+//   Q4_0, MXFP4: 4 chunks, chunk u = the file's nibble bytes 4u..4u+3 (low nibbles: elements 4u.., high:
+//   16 + 4u..); MXFP4's nibbles index the E2M1 table biased by +12 (vpshufb per 128-bit lane).
 // A group-block is exactly 16 of the file's blocks, so the copy costs no extra memory.
 //
 // Why: one vpdpbusd of a chunk against 4 activation bytes broadcast from memory gives 16 rows' partial dot
@@ -21,14 +23,26 @@ namespace merlin::kernels::quant::avx512 {
 namespace {
 
 constexpr int kRows = kRepackRows;
-constexpr int kScaleBytes = kRows * 2;
 
-struct FmtQ8_0 {
+// The fp16 scale of Q8_0 and Q4_0.
+struct ScaleFp16 {
+  static constexpr int kScaleBytes = kRows * 2;
+  template <class Block>
+  static void put_scale(const Block& b, int row, uint8_t* gb) { __builtin_memcpy(gb + 2 * row, &b.d, 2); }
+  template <class Block>
+  static void get_scale(const uint8_t* gb, int row, Block& b) { __builtin_memcpy(&b.d, gb + 2 * row, 2); }
+  static __m512 scales(const uint8_t* gb) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb)));
+  }
+};
+
+struct FmtQ8_0 : ScaleFp16 {
   using Block = BlockQ8_0;
   static constexpr int kChunks = 8;
   static constexpr int kBias = 128;
+  static constexpr bool kTable = false;
   static void put(const Block& b, int row, uint8_t* gb) {
-    __builtin_memcpy(gb + 2 * row, &b.d, 2);
+    put_scale(b, row, gb);
     for (int u = 0; u < kChunks; ++u) {
       uint32_t v;
       __builtin_memcpy(&v, b.qs + 4 * u, 4);
@@ -38,32 +52,56 @@ struct FmtQ8_0 {
   }
 };
 
-struct FmtQ4_0 {
+struct FmtQ4_0 : ScaleFp16 {
   using Block = BlockQ4_0;
   static constexpr int kChunks = 4;
   static constexpr int kBias = 8;
+  static constexpr bool kTable = false;
   static void put(const Block& b, int row, uint8_t* gb) {
-    __builtin_memcpy(gb + 2 * row, &b.d, 2);
+    put_scale(b, row, gb);
     for (int u = 0; u < kChunks; ++u) __builtin_memcpy(gb + kScaleBytes + 64 * u + 4 * row, b.qs + 4 * u, 4);
   }
 };
 
+struct FmtMxfp4 {
+  using Block = BlockMxfp4;
+  static constexpr int kScaleBytes = kRows;
+  static constexpr int kChunks = 4;
+  static constexpr int kBias = 12;  // kMxfp4Values + 12 is 0..24
+  static constexpr bool kTable = true;
+  static void put_scale(const Block& b, int row, uint8_t* gb) { gb[row] = b.e; }
+  static void get_scale(const uint8_t* gb, int row, Block& b) { b.e = gb[row]; }
+  static void put(const Block& b, int row, uint8_t* gb) {
+    put_scale(b, row, gb);
+    for (int u = 0; u < kChunks; ++u) __builtin_memcpy(gb + kScaleBytes + 64 * u + 4 * row, b.qs + 4 * u, 4);
+  }
+  // e8m0_to_f32_half of 16 exponent bytes, bit for bit the table kE8m0Half the row-major tiles read.
+  static __m512 scales(const uint8_t* gb) {
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb)));
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i sub = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    const __mmask16 small = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(small, normal, sub));
+  }
+};
+
 template <class F>
-constexpr size_t group_block_bytes() { return kScaleBytes + 64 * F::kChunks; }
+constexpr size_t group_block_bytes() { return F::kScaleBytes + 64 * F::kChunks; }
 
 // Inverse of F::put: row `row` of a group-block back to a file block (Q8_0 quants lose their bias).
 template <class F>
 void get(const uint8_t* gb, int row, typename F::Block& b) {
-  __builtin_memcpy(&b.d, gb + 2 * row, 2);
+  F::get_scale(gb, row, b);
   for (int u = 0; u < F::kChunks; ++u) {
     uint32_t v;
-    __builtin_memcpy(&v, gb + kScaleBytes + 64 * u + 4 * row, 4);
+    __builtin_memcpy(&v, gb + F::kScaleBytes + 64 * u + 4 * row, 4);
     if (F::kBias == 128) v ^= 0x80808080u;
     __builtin_memcpy(b.qs + 4 * u, &v, 4);
   }
 }
 static_assert(group_block_bytes<FmtQ8_0>() == kRows * sizeof(BlockQ8_0));
 static_assert(group_block_bytes<FmtQ4_0>() == kRows * sizeof(BlockQ4_0));
+static_assert(group_block_bytes<FmtMxfp4>() == kRows * sizeof(BlockMxfp4));
 
 template <class F>
 size_t packed_bytes(int64_t rows, int64_t k) {
@@ -136,11 +174,11 @@ void tile(const uint8_t* gw, int64_t nb, const char* x, size_t x_row_bytes, cons
 #pragma GCC unroll 16
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, gw += group_block_bytes<F>()) {
-    const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gw)));
+    const __m512 wd = F::scales(gw);
     __m512i s[T];
 #pragma GCC unroll 16
     for (int t = 0; t < T; ++t) s[t] = _mm512_set1_epi32(ai.start[(t0 + t) * nb + b]);
-    const uint8_t* q = gw + kScaleBytes;
+    const uint8_t* q = gw + F::kScaleBytes;
     if constexpr (F::kChunks == 8) {
 #pragma GCC unroll 8
       for (int u = 0; u < 8; ++u) {
@@ -150,10 +188,17 @@ void tile(const uint8_t* gw, int64_t nb, const char* x, size_t x_row_bytes, cons
       }
     } else {
       const __m512i low = _mm512_set1_epi8(0x0F);
+      const __m512i table = _mm512_add_epi8(
+          _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kMxfp4Values))),
+          _mm512_set1_epi8(F::kBias));
 #pragma GCC unroll 4
       for (int u = 0; u < 4; ++u) {
         const __m512i raw = _mm512_loadu_si512(q + 64 * u);
-        const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        if constexpr (F::kTable) {
+          lo = _mm512_shuffle_epi8(table, lo);
+          hi = _mm512_shuffle_epi8(table, hi);
+        }
 #pragma GCC unroll 16
         for (int t = 0; t < T; ++t) {
           s[t] = dot_bcast(s[t], lo, xr[t][b].qs + 4 * u);
@@ -205,5 +250,7 @@ void rows_packed(MERLIN_MATMUL_ARGS) {
 
 const PackedMatmul kPackedQ8_0{&packed_bytes<FmtQ8_0>, &repack<FmtQ8_0>, &unpack_row<FmtQ8_0>, &rows_packed<FmtQ8_0>};
 const PackedMatmul kPackedQ4_0{&packed_bytes<FmtQ4_0>, &repack<FmtQ4_0>, &unpack_row<FmtQ4_0>, &rows_packed<FmtQ4_0>};
+const PackedMatmul kPackedMxfp4{&packed_bytes<FmtMxfp4>, &repack<FmtMxfp4>, &unpack_row<FmtMxfp4>,
+                                &rows_packed<FmtMxfp4>};
 
 }  // namespace merlin::kernels::quant::avx512
