@@ -50,6 +50,8 @@ struct GenerationRequest {
 };
 
 // One request's output. The engine thread pushes, one consumer pops; cancel() may be called from any thread.
+// While many sequences run, a waiting consumer is woken once per few tokens (at most ~100 ms apart), not
+// for every token: next() then returns them one after another without waiting.
 class RequestStream {
  public:
   virtual ~RequestStream() = default;

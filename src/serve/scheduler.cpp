@@ -29,12 +29,21 @@ void StreamState::cancel() {
   if (on_cancel_) on_cancel_();  // wakes an idle engine so the blocks go back now
 }
 
-void StreamState::push(TokenEvent event) {
+bool StreamState::push(TokenEvent event, size_t wake_at) {
+  bool wake = event.finish != FinishReason::None || wake_at <= 1;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (events_.empty()) held_since_ = 0;  // the consumer took everything: nothing is held any more
     events_.push_back(std::move(event));
+    if (!wake) {
+      const double now = now_seconds();
+      if (held_since_ == 0) held_since_ = now;
+      wake = events_.size() >= wake_at || now - held_since_ >= kMaxHoldSeconds;
+    }
+    if (wake) held_since_ = 0;
   }
-  cv_.notify_all();
+  if (wake) cv_.notify_all();
+  return wake;
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -314,6 +323,16 @@ void Scheduler::register_full_blocks(Sequence& s) {
   }
 }
 
+// How many tokens a stream collects before its consumer is woken. Each wake-up costs a connection thread
+// a context switch, a JSON chunk and a socket write, and its client a read, all on the cores the forward
+// pass runs on: with a wake-up per token, 32 streams took ~1.5 ms after each ~13 ms step on two cores and
+// slowed the forward itself, 10-15 % of the aggregate rate. So with many sequences running, tokens go out
+// in groups (the first token always at once, a group never held longer than kMaxHoldSeconds); with a
+// few, every token goes out when it is made.
+size_t Scheduler::events_per_wakeup() const {
+  return std::max<size_t>(1, running_.size() / 4);  // 32 running: a wake-up every 8 tokens (or 100 ms)
+}
+
 void Scheduler::sample(Sequence& s, const float* logits) {
   const GenerationRequest& req = s.request();
   TokenEvent ev;
@@ -332,7 +351,7 @@ void Scheduler::sample(Sequence& s, const float* logits) {
     ev.finish = FinishReason::Length;
     finish(s, std::move(ev));
   } else {
-    s.stream->push(std::move(ev));
+    s.stream->push(std::move(ev), s.n_generated == 1 ? 1 : events_per_wakeup());
   }
 }
 

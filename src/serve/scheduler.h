@@ -36,6 +36,9 @@ inline TokenEvent final_event(FinishReason reason, std::string error = {}) {
 // The RequestStream the engine hands out. Engine side: push(); consumer side: next()/cancel().
 class StreamState final : public RequestStream {
  public:
+  // The longest push() holds a token back without waking the consumer (see push()).
+  static constexpr double kMaxHoldSeconds = 0.1;
+
   StreamState(GenerationRequest request, std::function<void()> on_cancel);
   bool next(TokenEvent& event, std::chrono::milliseconds timeout) override;
   void cancel() override;
@@ -45,7 +48,10 @@ class StreamState final : public RequestStream {
   const GenerationRequest& request() const { return request_; }
   bool cancelled() const { return cancelled_.load(); }
   void set_cached_prompt(int n) { cached_.store(n); }
-  void push(TokenEvent event);
+  // Queues an event. A consumer waiting in next() is woken only once `wake_at` events are queued, the
+  // oldest of them waited kMaxHoldSeconds, or the event ends the request (next() returns whatever is
+  // queued, woken or not). Returns whether it woke the consumer.
+  bool push(TokenEvent event, size_t wake_at = 1);
 
  private:
   GenerationRequest request_;
@@ -55,6 +61,7 @@ class StreamState final : public RequestStream {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<TokenEvent> events_;
+  double held_since_ = 0;  // when the oldest event queued without a wake-up arrived
 };
 
 class Scheduler {
@@ -97,6 +104,7 @@ class Scheduler {
   void after_forward(Sequence& s, int n_fed, const float* logits);
   void sample(Sequence& s, const float* logits);
   void register_full_blocks(Sequence& s);
+  size_t events_per_wakeup() const;
   void finish(Sequence& s, TokenEvent last);
   void release_blocks(Sequence& s);
   void remove_finished();

@@ -80,6 +80,13 @@ start_server main
 U="http://127.0.0.1:$main_PORT"
 ready=$(grep -o 'ready in [0-9.]* s' "$main_LOG" | grep -o '[0-9.]*')
 if python3 -c "import sys; sys.exit(0 if float('$ready') < 1.0 else 1)"; then ok "starts in $ready s"; else fail "startup took $ready s"; fi
+# Many clients connecting at once must not overflow the listen queue (cpp-httplib's own is 5 deep: the
+# kernel drops the extra SYNs and those clients wait a second to retry). A listening socket's Send-Q is
+# its backlog.
+if command -v ss >/dev/null; then
+  backlog=$(ss -ltnH "sport = :$main_PORT" | awk '{ print $3; exit }')
+  if [[ $backlog =~ ^[0-9]+$ ]] && ((backlog >= 64)); then ok "listen backlog $backlog"; else fail "listen backlog" "got '$backlog', want >= 64"; fi
+fi
 
 echo "--- SSE wire format"
 curl -sN -D "$WORK/sse_headers" -H 'Content-Type: application/json' \

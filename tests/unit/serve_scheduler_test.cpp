@@ -2,6 +2,7 @@
 // prefill, requests joining a running batch, cancellation, preemption under block pressure, block accounting.
 #include <map>
 #include <set>
+#include <thread>
 
 #include "core/error.h"
 #include "core/rng.h"
@@ -295,4 +296,50 @@ TEST_F(ServeScheduler, RandomWorkloadKeepsOutputsAndBlocksRight) {
   EXPECT_GT(sched_->stats().preemptions, 0u);
   EXPECT_GT(sched_->stats().cached_prompt_tokens, 0u);
   expect_all_blocks_back();
+}
+
+// With many sequences running the engine wakes a consumer once per group of tokens; whatever is queued is
+// still there for next(), and the end of a request, a group's last token or a held token's age wakes it.
+TEST(ServeStreamState, WakesTheConsumerPerGroupOfTokens) {
+  StreamState s(greedy({1, 2, 3}, 8), nullptr);
+  auto token = [](int32_t id) {
+    TokenEvent e;
+    e.token = id;
+    return e;
+  };
+  EXPECT_TRUE(s.push(token(10)));  // wake_at 1: every token
+  EXPECT_FALSE(s.push(token(11), 3));
+  EXPECT_TRUE(s.push(token(12), 3));  // three queued
+  EXPECT_TRUE(s.push(token(13), 3));  // not taken yet: still three or more
+  test::StreamOutput out = test::take(s);
+  EXPECT_EQ(out.tokens, (std::vector<int32_t>{10, 11, 12, 13}));
+  EXPECT_FALSE(s.push(token(14), 3));  // the queue was emptied: a new group
+  out = test::take(s, std::move(out));  // taken without a wake-up
+  EXPECT_FALSE(s.push(token(15), 3));
+  std::this_thread::sleep_for(std::chrono::duration<double>(StreamState::kMaxHoldSeconds * 1.2));
+  EXPECT_TRUE(s.push(token(16), 100));  // token 15 waited long enough
+  EXPECT_FALSE(s.push(token(17), 100));
+  TokenEvent last = token(18);
+  last.finish = FinishReason::Length;
+  EXPECT_TRUE(s.push(last, 100));
+  out = test::take(s, std::move(out));
+  EXPECT_EQ(out.tokens, (std::vector<int32_t>{10, 11, 12, 13, 14, 15, 16, 17, 18}));
+  EXPECT_EQ(out.finish, FinishReason::Length);
+}
+
+// A consumer asleep in next() is woken by a group's last token, not left to its timeout (an hour: past
+// ctest's limit, so a missing wake-up fails the test instead of passing late).
+TEST(ServeStreamState, GroupWakesASleepingConsumer) {
+  StreamState s(greedy({1, 2, 3}, 8), nullptr);
+  TokenEvent got;
+  bool ok = false;
+  std::thread consumer([&] { ok = s.next(got, std::chrono::hours(1)); });
+  TokenEvent e;
+  e.token = 7;
+  s.push(e, 2);
+  e.token = 8;
+  s.push(e, 2);
+  consumer.join();
+  EXPECT_TRUE(ok);
+  EXPECT_EQ(got.token, 7);
 }
