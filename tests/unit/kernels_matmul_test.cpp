@@ -156,6 +156,19 @@ TEST_P(MatmulLevelTest, SpansPackedBlocks) {
   }
 }
 
+// Prefill-sized products (k a multiple of 64, 64+ tokens, 64+ rows), which the AVX-512 level runs through
+// packed panels with a vertical reduction: against the exact product, with row tails, a sub-range and padding.
+TEST_P(MatmulLevelTest, PrefillPanels) {
+  SKIP_IF_UNAVAILABLE(GetParam());
+  std::mt19937 rng(31);
+  for (DType type : {DType::F32, DType::F16, DType::BF16}) {
+    check_case(GetParam(), type, Case{100, 512, 64, 0, -1, 0, 0, 0}, rng);
+    check_case(GetParam(), type, Case{150, 768, 71, 5, 147, 16, 3, 2}, rng);
+    check_case(GetParam(), type, Case{64, 1024, 130, 0, -1, 0, 0, 5}, rng);
+    if (HasFatalFailure()) return;
+  }
+}
+
 TEST_P(MatmulLevelTest, ZeroK) {
   SKIP_IF_UNAVAILABLE(GetParam());
   std::vector<float> w(4), x(4), y(8, 7.0f);
@@ -183,6 +196,36 @@ TEST_P(MatmulLevelTest, TokenAloneEqualsTokenInBatch) {
         const int64_t rows = 37, r0 = 3;
         SCOPED_TRACE(describe(type, Case{rows, k, nt, r0}) + " level=" + kernel_level_name(GetParam()));
         const Weights w = make_weights(type, rows, k, 0, rng);
+        std::vector<float> x((size_t)(nt * k));
+        for (float& v : x) v = dist(rng);
+        const MatmulKernel* mk = kernels_for(GetParam()).matmul(type);
+        std::vector<float> batch((size_t)(nt * rows)), alone((size_t)rows);
+        mk->rows(w.bytes.data(), w.row_bytes, r0, rows, x.data(), (size_t)k * 4, nt, k, batch.data(), rows);
+        for (int64_t t = 0; t < nt; ++t) {
+          mk->rows(w.bytes.data(), w.row_bytes, r0, rows, x.data() + t * k, (size_t)k * 4, 1, k, alone.data(), rows);
+          for (int64_t r = r0; r < rows; ++r)
+            ASSERT_EQ(std::memcmp(&alone[(size_t)r], &batch[(size_t)(t * rows + r)], 4), 0) << "t=" << t << " r=" << r;
+        }
+      }
+}
+
+// The same for prefill-sized batches: each token of a 64+ token batch (the panel path) against itself alone
+// (the decode path), over rows that leave a partial 64-row tile, with signed zeros among the weights.
+TEST_P(MatmulLevelTest, TokenAloneEqualsTokenInPrefillBatch) {
+  SKIP_IF_UNAVAILABLE(GetParam());
+  std::mt19937 rng(77);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  for (DType type : {DType::F32, DType::F16, DType::BF16})
+    for (int64_t k : {512, 768, 2048})
+      for (int64_t nt : {64, 77}) {
+        const int64_t rows = 150, r0 = 3;
+        SCOPED_TRACE(describe(type, Case{rows, k, nt, r0}) + " level=" + kernel_level_name(GetParam()));
+        Weights w = make_weights(type, rows, k, 0, rng);
+        const size_t elem = type == DType::F32 ? 4 : 2;
+        for (size_t i = 0; i < w.bytes.size(); i += 97 * elem) {  // +0 and -0 weights
+          std::memset(&w.bytes[i], 0, elem);
+          w.bytes[i + elem - 1] = (i / 97) % 2 ? 0x80 : 0x00;
+        }
         std::vector<float> x((size_t)(nt * k));
         for (float& v : x) v = dist(rng);
         const MatmulKernel* mk = kernels_for(GetParam()).matmul(type);

@@ -7,9 +7,11 @@
 // (a masked tail goes to the first), summed ((a0 + a1) + a2) + a3, then one fixed horizontal-reduction tree.
 //  - few tokens (decode, < 8): each weight row is streamed once against a group of tokens, widening
 //    F16/BF16 on the fly. Memory bound.
-//  - many tokens (prefill, and a server's decode step over many sequences): 2- or 4-row x up-to-6-token
-//    tiles run the same per-(row, token) recipe one accumulator chain at a time (pass_tile) over a block of
-//    rows that stays in L2, each loaded vector feeding several FMAs.
+//  - many tokens (a server's decode step over many sequences, short prefill chunks, k % 64 != 0): 2- or
+//    4-row x up-to-6-token tiles run the same per-(row, token) recipe one accumulator chain at a time
+//    (pass_tile) over a block of rows that stays in L2, each loaded vector feeding several FMAs.
+//  - prefill (64+ tokens, k a multiple of 64, k >= 512): packed panels, one zmm per chain lane of 16 rows,
+//    reduced vertically in the same order (panel_tile).
 
 // GCC 12's AVX-512 headers seed results with a self-initialized "undefined" vector and then warn about it
 // wherever an intrinsic is inlined (fixed in GCC 13); the warning's location is inside the header.
@@ -299,8 +301,216 @@ void blocked_path(const TileArgs& a, int64_t r0, int64_t r1, int64_t n_tokens) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// Many tokens, k a multiple of 64 (prefill): the recipe seen from the side. Lane l of chain u of (row, token)
+// is a scalar FMA chain over s of w[64 s + c] * x[64 s + c], c = 16 u + l. Here a zmm holds that chain for
+// 16 rows at once: weights are packed into 16-row vectors per (c, s) and activations into (c, s, token)
+// scalars that are broadcast, so a 32-row x 6-token call runs 12 FMAs per 2 vector loads and 6 broadcasts
+// (which leave the FMA pipes alone), with no horizontal reduction. Each (row, token) output sees exactly
+// row_dots' FMAs (zero start, s in order), and the 64 chain results are then combined vertically in
+// reduce4's order: s_l = ((a0 + a1) + a2) + a3, h_i = s_i + s_(i+8), ((h0 + h1) + (h2 + h3)) + ((h4 + h5) +
+// (h6 + h7)). So the bits are those of the other paths; only k % 64 != 0 (whose masked tail would need zero
+// activations past k) stays on them.
+// The inner loop runs at the FMA peak; what is left is packing (every call packs all of its tokens: ~6% of
+// the product at 512 tokens) and the reduction's stores. Against pass_tile with 64-byte aligned activations:
+// about equal for k = 768, 15-20% faster for k = 2048 (where 4 x 6 tiles spill their chain sums); and it does
+// not care whether activation rows are aligned.
+
+constexpr int kPanelRv = 4;                  // zmm row vectors per packed tile
+constexpr int kPanelRows = 16 * kPanelRv;    // rows per packed tile: L2-resident while all tokens pass
+constexpr int kHalfRows = kPanelRows / 2;    // rows per kernel call
+constexpr int kPanelT = 6;  // tokens per call: 12 accumulators, 12 running sums, 2 weights, a broadcast
+
+// Chains are stored and run in the order the reduction tree consumes them, so that both packed operands are
+// read strictly sequentially: position p = 4 li + u holds chain c = 16 u + l with l = 0, 8, 1, 9, ... (li).
+constexpr int chain_position(int c) {
+  const int u = c / 16, l = c % 16, li = l < 8 ? 2 * l : 2 * (l - 8) + 1;
+  return 4 * li + u;
+}
+
+// In-register transpose: r[j] lane i becomes r[i] lane j.
+__attribute__((always_inline)) inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16];
+  MERLIN_UNROLL
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  __m512 u[16];  // u[4q + e], 128-bit lane L: rows 4q..4q+3 of element 4L + e
+  MERLIN_UNROLL
+  for (int q = 0; q < 4; ++q) {
+    const __m512d a = _mm512_castps_pd(t[4 * q]), b = _mm512_castps_pd(t[4 * q + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * q + 1]), d = _mm512_castps_pd(t[4 * q + 3]);
+    u[4 * q] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    u[4 * q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    u[4 * q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    u[4 * q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  MERLIN_UNROLL
+  for (int e = 0; e < 4; ++e) {
+    const __m512 a = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88), b = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xdd);
+    const __m512 c = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88);
+    const __m512 d = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xdd);
+    r[e] = _mm512_shuffle_f32x4(a, c, 0x88);
+    r[8 + e] = _mm512_shuffle_f32x4(a, c, 0xdd);
+    r[4 + e] = _mm512_shuffle_f32x4(b, d, 0x88);
+    r[12 + e] = _mm512_shuffle_f32x4(b, d, 0xdd);
+  }
+}
+
+// Rows [r, r + 64) as two 32-row halves, each [chain position p][s][32 rows]:
+// wp[h * 32 k + (p * ns + s) * 32 + i] = w[r + 32 h + i][64 s + c] widened to f32; rows past nr are zero.
+template <class W>
+void pack_panel_w(const TileArgs& a, int64_t r, int64_t nr, float* wp) {
+  const int64_t ns = a.k / 64;
+  for (int64_t q = 0; q < kPanelRv; ++q) {
+    const typename W::Elem* wr[16];
+    for (int i = 0; i < 16; ++i) {
+      const int64_t row = r + 16 * q + i;
+      wr[i] = row < r + nr ? weight_row<W>(a.w, a.w_row_bytes, row) : nullptr;
+    }
+    for (int64_t j = 0; j < a.k; j += 16) {
+      __m512 v[16];
+      MERLIN_UNROLL
+      for (int i = 0; i < 16; ++i) v[i] = wr[i] ? W::load(wr[i] + j) : _mm512_setzero_ps();
+      transpose16(v);
+      const int64_t s = j / 64, c0 = j % 64;
+      MERLIN_UNROLL
+      for (int e = 0; e < 16; ++e) {
+        const int64_t at = (q / 2) * kHalfRows * a.k + (chain_position((int)c0 + e) * ns + s) * kHalfRows;
+        _mm512_store_ps(wp + at + 16 * (q % 2), v[e]);
+      }
+    }
+  }
+}
+
+// xp[(p * ns + s) * nt + t] = x[t0 + t][64 s + c] for nt <= 16 tokens, p the position of chain c.
+inline void pack_panel_x(const TileArgs& a, int64_t t0, int64_t nt, float* xp) {
+  const int64_t ns = a.k / 64;
+  const __mmask16 m = (__mmask16)((1u << nt) - 1);
+  const float* xt[16];
+  for (int t = 0; t < 16; ++t) xt[t] = t < nt ? token_row(a.x, a.x_row_bytes, t0 + t) : nullptr;
+  for (int64_t j = 0; j < a.k; j += 16) {
+    __m512 v[16];
+    MERLIN_UNROLL
+    for (int t = 0; t < 16; ++t) v[t] = xt[t] ? _mm512_loadu_ps(xt[t] + j) : _mm512_setzero_ps();
+    transpose16(v);
+    const int64_t s = j / 64, c0 = j % 64;
+    MERLIN_UNROLL
+    for (int e = 0; e < 16; ++e) _mm512_mask_storeu_ps(xp + (chain_position((int)c0 + e) * ns + s) * nt, m, v[e]);
+  }
+}
+
+// A 16 Rv-row x T-token tile over all 64 chains, l-major (l = 0, 8, 1, 9, ...): the four chains of one l
+// add into a running sum held in registers, and the rest of the vertical reduction tree keeps a small stack
+// of partial results in memory (s_l waiting for s_(l+8), h, q and o). Both operands are read sequentially.
+template <int Rv, int T>
+void panel_tile(const float* wp, const float* xp, int64_t ns, float* y, int64_t ldy, int64_t nr) {
+  __m512 s_lo[Rv][T], h_even[Rv][T], q_first[Rv][T], o_first[Rv][T];
+  for (int li = 0; li < 16; ++li) {
+    __m512 run[Rv][T];
+    MERLIN_UNROLL
+    for (int u = 0; u < kU; ++u) {
+      const int p = 4 * li + u;
+      const float* wc = wp + p * ns * kHalfRows;
+      const float* xc = xp + p * ns * T;
+      __m512 acc[Rv][T];
+      MERLIN_UNROLL
+      for (int i = 0; i < Rv; ++i)
+        MERLIN_UNROLL
+        for (int t = 0; t < T; ++t) acc[i][t] = _mm512_setzero_ps();
+      for (int64_t s = 0; s < ns; ++s) {
+        __m512 wv[Rv];
+        MERLIN_UNROLL
+        for (int i = 0; i < Rv; ++i) {
+          wv[i] = _mm512_load_ps(wc + s * kHalfRows + 16 * i);
+          asm("" : "+v"(wv[i]));
+        }
+        MERLIN_UNROLL
+        for (int t = 0; t < T; ++t) {
+          __m512 b = _mm512_set1_ps(xc[s * T + t]);
+          asm("" : "+v"(b));  // one broadcast load feeding Rv FMAs, not Rv folded {1to16} loads
+          MERLIN_UNROLL
+          for (int i = 0; i < Rv; ++i) acc[i][t] = _mm512_fmadd_ps(wv[i], b, acc[i][t]);
+        }
+      }
+      MERLIN_UNROLL
+      for (int i = 0; i < Rv; ++i)
+        MERLIN_UNROLL
+        for (int t = 0; t < T; ++t) run[i][t] = u == 0 ? acc[i][t] : _mm512_add_ps(run[i][t], acc[i][t]);
+    }
+    const int hi = li / 2;  // h index once s_(l+8) is done
+    MERLIN_UNROLL
+    for (int i = 0; i < Rv; ++i)
+      MERLIN_UNROLL
+      for (int t = 0; t < T; ++t) {
+        if (!(li & 1)) {
+          s_lo[i][t] = run[i][t];
+          continue;
+        }
+        const __m512 h = _mm512_add_ps(s_lo[i][t], run[i][t]);
+        if (!(hi & 1)) {
+          h_even[i][t] = h;
+          continue;
+        }
+        const __m512 q = _mm512_add_ps(h_even[i][t], h);
+        if (hi == 1 || hi == 5) {
+          q_first[i][t] = q;
+          continue;
+        }
+        const __m512 o = _mm512_add_ps(q_first[i][t], q);
+        if (hi == 3) {
+          o_first[i][t] = o;
+          continue;
+        }
+        _mm512_mask_storeu_ps(y + t * ldy + 16 * i, tail_mask(nr - 16 * i), _mm512_add_ps(o_first[i][t], o));
+      }
+  }
+}
+
+constexpr int kPanelCallRv = kHalfRows / 16;
+using PanelFn = void (*)(const float*, const float*, int64_t, float*, int64_t, int64_t);
+constexpr PanelFn kPanelTiles[kPanelT] = {&panel_tile<kPanelCallRv, 1>, &panel_tile<kPanelCallRv, 2>,
+                                          &panel_tile<kPanelCallRv, 3>, &panel_tile<kPanelCallRv, 4>,
+                                          &panel_tile<kPanelCallRv, 5>, &panel_tile<kPanelCallRv, 6>};
+
+template <class W>
+void panel_path(const TileArgs& a, int64_t r0, int64_t r1, int64_t n_tokens) {
+  const int64_t ns = a.k / 64;
+  // Activations are packed a chunk of tokens at a time (at most ~4 MB); the weights of one 64-row tile are
+  // packed once per chunk and stay in L2 while every token group of the chunk passes.
+  int64_t chunk = (int64_t)(4u << 20) / (a.k * 4) / kPanelT * kPanelT;
+  if (chunk < kPanelT) chunk = kPanelT;
+  float* xp = detail::scratch_floats(detail::kScratchWeightRow, (size_t)((chunk < n_tokens ? chunk : n_tokens) * a.k));
+  float* wp = detail::scratch_floats(detail::kScratchPackedW, (size_t)(kPanelRows * a.k));
+  for (int64_t tc = 0; tc < n_tokens; tc += chunk) {
+    const int64_t nc = n_tokens - tc < chunk ? n_tokens - tc : chunk;
+    const int64_t groups = (nc + kPanelT - 1) / kPanelT;
+    for (int64_t g = 0, t = 0; g < groups; ++g) {
+      const int64_t nt = token_group_size(nc, groups, g);
+      pack_panel_x(a, tc + t, nt, xp + t * a.k);
+      t += nt;
+    }
+    for (int64_t r = r0; r < r1; r += kPanelRows) {
+      const int64_t nr = r1 - r < kPanelRows ? r1 - r : kPanelRows;
+      pack_panel_w<W>(a, r, nr, wp);
+      for (int64_t g = 0, t = 0; g < groups; ++g) {
+        const int64_t nt = token_group_size(nc, groups, g);
+        for (int64_t h = 0; h < kPanelRows && h < nr; h += kHalfRows)
+          kPanelTiles[nt - 1](wp + h * a.k, xp + t * a.k, ns, a.y + (tc + t) * a.ldy + r + h, a.ldy, nr - h);
+        t += nt;
+      }
+    }
+  }
+}
+
 // Below this many tokens the weight-streaming dot tiles win: each weight is used too few times to tile.
 constexpr int64_t kBlockedMinTokens = 8;
+// From this many tokens (and k % 64 == 0) the panel path's packing pays for itself.
+constexpr int64_t kPanelMinTokens = 64;
+// Packing costs about one pass over both operands: short k (attention scores, k = head_dim) or a narrow row
+// range (a few positions of the K cache) would not amortize it.
+constexpr int64_t kPanelMinK = 512;
 
 template <class W>
 void matmul(MERLIN_MATMUL_ARGS) {
@@ -309,6 +519,8 @@ void matmul(MERLIN_MATMUL_ARGS) {
   if (k <= 0) {
     for (int64_t t = 0; t < n_tokens; ++t)
       for (int64_t r = r0; r < r1; ++r) y[t * ldy + r] = 0.0f;
+  } else if (n_tokens >= kPanelMinTokens && k % 64 == 0 && k >= kPanelMinK && r1 - r0 >= kPanelRows) {
+    panel_path<W>(a, r0, r1, n_tokens);
   } else if (n_tokens >= kBlockedMinTokens) {
     blocked_path<W>(a, r0, r1, n_tokens);
   } else {
