@@ -4,7 +4,11 @@
 //                        a = softmax(q·Kᵀ/√d)·V per head; x += a·Wo; xn = rmsnorm(x);
 //                        x += (silu(xn·Wg) * xn·Wu)·Wd
 // Matrix products are split over threads by output rows; the three projections sharing one input
-// (q/k/v, gate/up) run in one parallel section to keep synchronisation points per token low.
+// (q/k/v, gate/up) run in one parallel section to keep synchronisation points per token low. Every parallel
+// section hands out its work in chunks (ThreadPool::for_chunks): each thread starts on its static share and
+// takes over the rest of another's when done, so neither uneven work (sequences of different lengths, the
+// later tokens of a prompt) nor a thread the OS preempted holds the others up. Which thread computes an output
+// never changes its bits.
 //
 // The K/V cache stores rows of kv_dim elements in F32, F16 or Q8_0, in fixed-size blocks of kv_block_size
 // positions; a block table per sequence maps its logical blocks to physical ones (paged attention). Without
@@ -100,8 +104,13 @@ class CpuBackend final : public Backend {
   void matmul_rows(const RowFn& produce, float* x, int64_t n_tokens, int64_t k, std::initializer_list<MatmulJob> jobs);
   void matmul_prepared(const kernels::MatmulKernel* const* kern, const void* const* xin, const size_t* x_row_bytes,
                        int64_t n_tokens, int64_t k, std::initializer_list<MatmulJob> jobs);
-  void attend(int layer, const Batch& batch, int64_t t0, int64_t nt, int64_t head, int thread);
-  void weigh_values(int layer, const Batch& batch, int64_t t0, int64_t nt, int64_t head, float* scores, int thread);
+  void attend(int layer, const Batch& batch, int64_t t0, int64_t nt, int64_t h0, int64_t h1, int thread);
+  void weigh_values(int layer, const Batch& batch, int64_t t0, int64_t nt, int64_t h0, int64_t h1, float* scores,
+                    int thread);
+  // Byte offset of head `head`'s K/V slice in a cached row (heads share a K/V head under GQA).
+  size_t kv_head_offset(int64_t head) const {
+    return (size_t)(head / (c_.n_heads / c_.n_kv_heads)) * kv_head_bytes_;
+  }
   void accumulate_values(const uint8_t* v0, const float* w, int n, float* out, int thread);
   void store_kv_row(const float* src, uint8_t* dst);
   void identity_table(int seq);
@@ -131,10 +140,15 @@ class CpuBackend final : public Backend {
   Scratch x_, xn_, q_, k_, v_, att_, gate_, up_, tmp_;
   std::vector<float> scores_, qconv_, vrow_;     // per-thread attention scratch
   std::vector<int64_t> group_starts_;           // attention token groups of the current batch
+  struct AttnItem {
+    int64_t group, h0, h1;                      // a token group and a range of its heads
+  };
+  std::vector<AttnItem> attn_items_;
+  int64_t attn_slots_;                          // per-thread score rows: max(kAttnGroup, n_heads)
   std::vector<uint8_t> embd_row_;               // a packed embedding row in the file's layout
   std::vector<uint8_t> act_buf_, qact_;         // qact_: per-thread q in the score kernel's format
-  std::vector<float> row_;                      // one fused input row (max(dim, ffn_dim) floats, stays in L1)
-  std::vector<float> rope_cs_;                  // cos/sin of the current position's RoPE angles
+  std::vector<float> row_;                      // per thread: one fused input row (max(dim, ffn_dim) floats)
+  std::vector<float> rope_cs_;                  // per thread: cos/sin of a position's RoPE angles
   bool fuse_;                                   // MERLIN_FUSE=0: materialise inputs, then quantize (A/B runs)
 };
 
@@ -180,12 +194,14 @@ CpuBackend::CpuBackend(const Model& model, const BackendOptions& opts)
   gate_.resize(B * c_.ffn_dim);
   up_.resize(B * c_.ffn_dim);
   const size_t nt = (size_t)pool_.size();
-  scores_.resize(nt * kAttnGroup * n_ctx_);
-  qconv_.resize(nt * kAttnGroup * c_.head_dim());
+  // An attention item is up to kAttnGroup tokens of one head or one token of up to n_heads heads.
+  attn_slots_ = std::max<int64_t>(kAttnGroup, c_.n_heads);
+  scores_.resize(nt * attn_slots_ * n_ctx_);
+  qconv_.resize(nt * attn_slots_ * c_.head_dim());
   vrow_.resize(nt * c_.head_dim());
-  qact_.resize(nt * kAttnGroup * dtype_row_bytes(DType::Q8_0, 32) * (size_t)((c_.head_dim() + 31) / 32));
-  row_.resize((size_t)std::max(c_.dim, c_.ffn_dim));
-  rope_cs_.resize((size_t)c_.rot_dims() + 2);
+  qact_.resize(nt * attn_slots_ * dtype_row_bytes(DType::Q8_0, 32) * (size_t)((c_.head_dim() + 31) / 32));
+  row_.resize(nt * (size_t)std::max(c_.dim, c_.ffn_dim));
+  rope_cs_.resize(nt * ((size_t)c_.rot_dims() + 2));
   const char* fuse = std::getenv("MERLIN_FUSE");
   fuse_ = fuse == nullptr || std::strcmp(fuse, "0") != 0;
 }
@@ -311,17 +327,26 @@ void CpuBackend::matmul_rows(const RowFn& produce, float* x, int64_t n_tokens, i
     fusable = fusable && kern[j]->act_type != DType::F32 && kern[j]->quantize_act == kern[0]->quantize_act;
     ++j;
   }
+  // Rows are produced in parallel once there are enough of them to pay for a section (prefill, a server's
+  // many-sequence step).
+  const int64_t grain = std::max<int64_t>(8, (n_tokens + 2 * pool_.size() - 1) / (2 * pool_.size()));
   if (!fusable) {
-    for (int64_t t = 0; t < n_tokens; ++t) produce(t, x + t * k);
+    pool_.for_chunks(n_tokens, grain, [&](int, int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) produce(t, x + t * k);
+    });
     matmul(x, n_tokens, k, jobs);
     return;
   }
   const size_t row_bytes = dtype_row_bytes(kern[0]->act_type, (uint64_t)k);
   if (act_buf_.size() < row_bytes * n_tokens) act_buf_.resize(row_bytes * n_tokens);
-  for (int64_t t = 0; t < n_tokens; ++t) {
-    produce(t, row_.data());
-    kern[0]->quantize_act(row_.data(), 1, k, act_buf_.data() + row_bytes * t);
-  }
+  const size_t row_len = row_.size() / pool_.size();
+  pool_.for_chunks(n_tokens, grain, [&](int thread, int64_t t0, int64_t t1) {
+    float* row = &row_[(size_t)thread * row_len];
+    for (int64_t t = t0; t < t1; ++t) {
+      produce(t, row);
+      kern[0]->quantize_act(row, 1, k, act_buf_.data() + row_bytes * t);
+    }
+  });
   const void* xin[4];
   size_t x_row_bytes[4];
   for (size_t i = 0; i < j; ++i) {
@@ -334,13 +359,22 @@ void CpuBackend::matmul_rows(const RowFn& produce, float* x, int64_t n_tokens, i
 void CpuBackend::matmul_prepared(const kernels::MatmulKernel* const* kern, const void* const* xin,
                                  const size_t* x_row_bytes, int64_t n_tokens, int64_t k,
                                  std::initializer_list<MatmulJob> jobs) {
-  pool_.run([&](int ti, int nt) {
+  // Work units of 16 rows (threads never share a cache line of the output; packed layouts start at multiples
+  // of 16), numbered through the jobs one after the other. Few tokens: four chunks per thread, each still a
+  // long run of weight rows to stream. Many tokens: one per thread, since a tiled call first packs its
+  // activations and more calls measured slower (pp512 -10% with four); a thread that has not started its share
+  // by the time another is done still has it taken over.
+  int64_t units = 0;
+  for (const MatmulJob& job : jobs) units += (job.w->rows + 15) / 16;
+  const int64_t per_thread = n_tokens >= 8 ? 1 : 4, parts = per_thread * pool_.size();
+  const int64_t grain = std::max<int64_t>(1, (units + parts - 1) / parts);
+  pool_.for_chunks(units, grain, [&](int, int64_t u0, int64_t u1) {
     size_t jj = 0;
+    int64_t first = 0;  // the job's first unit
     for (const MatmulJob& job : jobs) {
-      const int64_t rows = job.w->rows;
-      // Split rows in multiples of 16 so threads never share a cache line of the output.
-      const int64_t units = (rows + 15) / 16;
-      const int64_t r0 = std::min(rows, units * ti / nt * 16), r1 = std::min(rows, units * (ti + 1) / nt * 16);
+      const int64_t rows = job.w->rows, n_units = (rows + 15) / 16;
+      const int64_t r0 = std::clamp(u0 - first, (int64_t)0, n_units) * 16;
+      const int64_t r1 = std::min(rows, std::clamp(u1 - first, (int64_t)0, n_units) * 16);
       if (r0 < r1) {
         // The model's load-time layout, when it was made for this kernel level (bit-identical results).
         const Weight& w = *job.w;
@@ -349,6 +383,7 @@ void CpuBackend::matmul_prepared(const kernels::MatmulKernel* const* kern, const
         else
           kern[jj]->rows(job.w->data, job.w->row_bytes, r0, r1, xin[jj], x_row_bytes[jj], n_tokens, k, job.y, rows);
       }
+      first += n_units;
       ++jj;
     }
   });
@@ -359,27 +394,49 @@ void CpuBackend::attention_block(int layer, const Batch& batch) {
   const int64_t n = (int64_t)batch.size(), kv_dim = c_.kv_dim(), hd = c_.head_dim();
   matmul_rows([&](int64_t t, float* out) { kt_.rmsnorm(&x_[t * c_.dim], w.attn_norm.data(), c_.dim, c_.norm_eps, out); },
               xn_.data(), n, c_.dim, {{&w.wq, q_.data()}, {&w.wk, k_.data()}, {&w.wv, v_.data()}});
-  for (int64_t t = 0; t < n; ++t) {
-    float* q = &q_[t * q_dim_];
-    float* k = &k_[t * kv_dim];
-    // One angle table per position for q and k (the cos/sin cost more than the rotations).
-    kernels::rope_angles(c_.rot_dims(), batch.pos[t], c_.rope_theta, rope_cs_.data());
-    kernels::rope_apply(q, c_.n_heads, hd, c_.rot_dims(), rope_cs_.data());
-    kernels::rope_apply(k, c_.n_kv_heads, hd, c_.rot_dims(), rope_cs_.data());
-    store_kv_row(k, k_at(layer, batch.seq[t], batch.pos[t]));
-    store_kv_row(&v_[t * kv_dim], v_at(layer, batch.seq[t], batch.pos[t]));
-  }
-  // Groups of up to kAttnGroup consecutive batch tokens of one sequence, times heads, are the work items.
+  // Work items: groups of up to kAttnGroup consecutive batch tokens of one sequence, times a range of heads.
+  // A group of several tokens (prefill) takes one head per item. A lone token (decode) takes as many heads as
+  // leave about eight items per thread: the heads of one position share its cached rows, so a many-sequence
+  // step reads each block's rows once, in order, for all its heads instead of one head's slice at a time.
   std::vector<int64_t>& starts = group_starts_;
   starts.clear();
   for (int64_t t = 0; t < n; ++t)
     if (starts.empty() || t - starts.back() == kAttnGroup || batch.seq[t] != batch.seq[starts.back()]) starts.push_back(t);
-  const int64_t n_groups = (int64_t)starts.size(), work = n_groups * c_.n_heads;
+  const int64_t n_groups = (int64_t)starts.size();
   starts.push_back(n);
-  pool_.run([&](int ti, int nt) {
-    for (int64_t i = work * ti / nt; i < work * (ti + 1) / nt; ++i) {
-      const int64_t g = i / c_.n_heads;
-      attend(layer, batch, starts[g], starts[g + 1] - starts[g], i % c_.n_heads, ti);
+  const int64_t per_item = std::clamp<int64_t>(n_groups * c_.n_heads / (8 * pool_.size()), 1, c_.n_heads);
+  attn_items_.clear();
+  for (int64_t g = 0; g < n_groups; ++g) {
+    const int64_t step = starts[g + 1] - starts[g] == 1 ? per_item : 1;
+    for (int64_t h = 0; h < c_.n_heads; h += step)
+      attn_items_.push_back({g, h, std::min<int64_t>(c_.n_heads, h + step)});
+  }
+  // RoPE of q and k and the K/V cache writes, tokens spread over the threads; with an F16 cache k is rotated
+  // and converted in one pass.
+  const size_t cs_len = rope_cs_.size() / pool_.size();
+  auto rope_and_store = [&](int thread, int64_t t0, int64_t t1) {
+    float* cs = &rope_cs_[(size_t)thread * cs_len];
+    for (int64_t t = t0; t < t1; ++t) {
+      float* k = &k_[t * kv_dim];
+      uint8_t* k_row = k_at(layer, batch.seq[t], batch.pos[t]);
+      // One angle table per position for q and k (the cos/sin cost more than the rotations).
+      kernels::rope_angles(c_.rot_dims(), batch.pos[t], c_.rope_theta, cs);
+      kt_.rope(&q_[t * q_dim_], c_.n_heads, hd, c_.rot_dims(), cs, nullptr);
+      if (kv_type_ == DType::F16) {
+        kt_.rope(k, c_.n_kv_heads, hd, c_.rot_dims(), cs, reinterpret_cast<uint16_t*>(k_row));
+      } else {
+        kt_.rope(k, c_.n_kv_heads, hd, c_.rot_dims(), cs, nullptr);
+        store_kv_row(k, k_row);
+      }
+      store_kv_row(&v_[t * kv_dim], v_at(layer, batch.seq[t], batch.pos[t]));
+    }
+  };
+  pool_.for_chunks(n, std::max<int64_t>(4, (n + 2 * pool_.size() - 1) / (2 * pool_.size())), rope_and_store);
+  // One item at a time: an item's cost grows with its tokens' positions, so equal counts are not equal work.
+  pool_.for_chunks((int64_t)attn_items_.size(), 1, [&](int thread, int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const AttnItem& it = attn_items_[(size_t)i];
+      attend(layer, batch, starts[it.group], starts[it.group + 1] - starts[it.group], it.h0, it.h1, thread);
     }
   });
   matmul(att_.data(), n, q_dim_, {{&w.wo, tmp_.data()}});
@@ -399,81 +456,91 @@ void CpuBackend::store_kv_row(const float* src, uint8_t* dst) {
 // score-kernel call per K block over the positions up to the last token's (a token's extra scores, past its
 // own position, are ignored); each score is its own dot product computed by the batch-invariant kernel, so
 // grouping changes no value.
-void CpuBackend::attend(int layer, const Batch& batch, int64_t t0, int64_t nt, int64_t head, int thread) {
-  const int64_t hd = c_.head_dim();
-  const int64_t kv_head = head / (c_.n_heads / c_.n_kv_heads);
+void CpuBackend::attend(int layer, const Batch& batch, int64_t t0, int64_t nt, int64_t h0, int64_t h1, int thread) {
+  const int64_t hd = c_.head_dim(), nh = h1 - h0;
   const int seq = batch.seq[t0];
   int n_pos = 0;
   for (int64_t i = 0; i < nt; ++i) n_pos = std::max(n_pos, batch.pos[t0 + i] + 1);
-  float* scores = &scores_[(size_t)thread * kAttnGroup * n_ctx_];
-  auto q_of = [&](int64_t i) { return &q_[(t0 + i) * q_dim_ + head * hd]; };
+  // Scores of head h0 + j, token i: row j * nt + i.
+  float* scores = &scores_[(size_t)thread * attn_slots_ * n_ctx_];
+  auto q_of = [&](int64_t j, int64_t i) { return &q_[(t0 + i) * q_dim_ + (h0 + j) * hd]; };
 
-  // The group's q rows in the score kernel's activation format.
-  const void* x = q_of(0);
-  size_t x_bytes = (size_t)q_dim_ * sizeof(float);
+  // The group's q rows of each head in the score kernel's activation format: head j's at x + j * x_head.
+  const uint8_t* x = reinterpret_cast<const uint8_t*>(q_of(0, 0));
+  size_t x_bytes = (size_t)q_dim_ * sizeof(float), x_head = (size_t)hd * sizeof(float);
   if (kv_type_ == DType::F16) {
-    float* qr = &qconv_[(size_t)thread * kAttnGroup * hd];
-    for (int64_t i = 0; i < nt; ++i) kt_.round_f16(q_of(i), qr + i * hd, hd);
-    x = qr;
+    float* qr = &qconv_[(size_t)thread * attn_slots_ * hd];
+    for (int64_t j = 0; j < nh; ++j)
+      for (int64_t i = 0; i < nt; ++i) kt_.round_f16(q_of(j, i), qr + (j * nt + i) * hd, hd);
+    x = reinterpret_cast<const uint8_t*>(qr);
     x_bytes = (size_t)hd * sizeof(float);
+    x_head = (size_t)nt * x_bytes;
   } else if (kv_type_ != DType::F32) {
     x_bytes = dtype_row_bytes(score_kernel_->act_type, (uint64_t)hd);
+    x_head = (size_t)nt * x_bytes;
     uint8_t* qa = &qact_[(size_t)thread * (qact_.size() / pool_.size())];
-    for (int64_t i = 0; i < nt; ++i) score_kernel_->quantize_act(q_of(i), 1, hd, qa + i * x_bytes);
+    for (int64_t j = 0; j < nh; ++j)
+      for (int64_t i = 0; i < nt; ++i) score_kernel_->quantize_act(q_of(j, i), 1, hd, qa + (j * nt + i) * x_bytes);
     x = qa;
   }
-  // Block by block through the sequence's table.
+  // Block by block through the sequence's table, every head of the item on a block before the next.
   const std::vector<int32_t>& table = tables_[(size_t)seq];
-  const size_t head_offset = (size_t)kv_head * kv_head_bytes_;
   const size_t block_bytes = (size_t)block_size_ * kv_row_bytes_;
   const uint8_t* k_layer = k_cache_[layer].get();
   for (int p0 = 0; p0 < n_pos; p0 += block_size_) {
     const int n = std::min(block_size_, n_pos - p0);
-    const uint8_t* k0 = k_layer + (size_t)table[(size_t)(p0 / block_size_)] * block_bytes + head_offset;
-    score_kernel_->rows(k0, kv_row_bytes_, 0, n, x, x_bytes, nt, hd, scores + p0, n_ctx_);
+    const uint8_t* k0 = k_layer + (size_t)table[(size_t)(p0 / block_size_)] * block_bytes;
+    for (int64_t j = 0; j < nh; ++j)
+      score_kernel_->rows(k0 + kv_head_offset(h0 + j), kv_row_bytes_, 0, n, x + j * x_head, x_bytes, nt, hd,
+                          scores + j * nt * n_ctx_ + p0, n_ctx_);
   }
-  weigh_values(layer, batch, t0, nt, head, scores, thread);
+  weigh_values(layer, batch, t0, nt, h0, h1, scores, thread);
 }
 
 // For each token i of the group: out_i = softmax(scores_i / sqrt(hd)) · V over its positions [0, pos_i].
 // With an F16 cache the positions all tokens share are summed for the whole group at once (each V row is
 // widened once), then each token's own positions follow; per output element that is the same sequence of
 // multiply-adds in position order as token by token.
-void CpuBackend::weigh_values(int layer, const Batch& batch, int64_t t0, int64_t nt, int64_t head, float* scores,
-                              int thread) {
-  const int64_t hd = c_.head_dim();
-  const int64_t kv_head = head / (c_.n_heads / c_.n_kv_heads);
+void CpuBackend::weigh_values(int layer, const Batch& batch, int64_t t0, int64_t nt, int64_t h0, int64_t h1,
+                              float* scores, int thread) {
+  const int64_t hd = c_.head_dim(), nh = h1 - h0;
   const float scale = 1.0f / std::sqrt((float)hd);
   int n_shared = n_ctx_, n_all = 0;
-  for (int64_t i = 0; i < nt; ++i) {
-    const int n_pos = batch.pos[t0 + i] + 1;
-    float* sc = scores + i * n_ctx_;
-    for (int p = 0; p < n_pos; ++p) sc[p] *= scale;
-    kt_.softmax(sc, n_pos);
-    if (kv_type_ == DType::F16) kt_.round_f16(sc, sc, n_pos);  // the weights llama.cpp applies to F16 V
-    std::fill(&att_[(t0 + i) * q_dim_ + head * hd], &att_[(t0 + i) * q_dim_ + head * hd] + hd, 0.0f);
-    n_shared = std::min(n_shared, n_pos);
-    n_all = std::max(n_all, n_pos);
-  }
+  for (int64_t j = 0; j < nh; ++j)
+    for (int64_t i = 0; i < nt; ++i) {
+      const int n_pos = batch.pos[t0 + i] + 1;
+      float* sc = scores + (j * nt + i) * n_ctx_;
+      for (int p = 0; p < n_pos; ++p) sc[p] *= scale;
+      kt_.softmax(sc, n_pos);
+      if (kv_type_ == DType::F16) kt_.round_f16(sc, sc, n_pos);  // the weights llama.cpp applies to F16 V
+      float* out = &att_[(t0 + i) * q_dim_ + (h0 + j) * hd];
+      std::fill(out, out + hd, 0.0f);
+      n_shared = std::min(n_shared, n_pos);
+      n_all = std::max(n_all, n_pos);
+    }
   const std::vector<int32_t>& table = tables_[(size_t)batch.seq[t0]];
-  const size_t head_offset = (size_t)kv_head * kv_head_bytes_;
   const size_t block_bytes = (size_t)block_size_ * kv_row_bytes_;
   const uint8_t* v_layer = v_cache_[layer].get();
   const size_t ldv = kv_row_bytes_ / sizeof(uint16_t);
   for (int p0 = 0; p0 < n_all; p0 += block_size_) {
     const int n = std::min(block_size_, n_all - p0);
-    const uint8_t* v0 = v_layer + (size_t)table[(size_t)(p0 / block_size_)] * block_bytes + head_offset;
-    int own = 0;  // first row of the block that is not shared by the whole group
-    if (kv_type_ == DType::F16) {
-      own = std::clamp(n_shared - p0, 0, n);
-      kt_.axpy_f16_rows(scores + p0, (size_t)n_ctx_, nt, reinterpret_cast<const uint16_t*>(v0), ldv, own,
-                        &att_[t0 * q_dim_ + head * hd], (size_t)q_dim_, hd);
-    }
-    for (int64_t i = 0; i < nt; ++i) {
-      const int end = std::min(n, batch.pos[t0 + i] + 1 - p0);
-      if (end > own)
-        accumulate_values(v0 + (size_t)own * kv_row_bytes_, scores + i * n_ctx_ + p0 + own, end - own,
-                          &att_[(t0 + i) * q_dim_ + head * hd], thread);
+    const uint8_t* v_block = v_layer + (size_t)table[(size_t)(p0 / block_size_)] * block_bytes;
+    for (int64_t j = 0; j < nh; ++j) {
+      const int64_t head = h0 + j;
+      const uint8_t* v0 = v_block + kv_head_offset(head);
+      const float* sc = scores + j * nt * n_ctx_;
+      int own = 0;  // first row of the block that is not shared by the whole group
+      if (kv_type_ == DType::F16) {
+        own = std::clamp(n_shared - p0, 0, n);
+        kt_.axpy_f16_rows(sc + p0, (size_t)n_ctx_, nt, reinterpret_cast<const uint16_t*>(v0), ldv, own,
+                          &att_[t0 * q_dim_ + head * hd], (size_t)q_dim_, hd);
+      }
+      for (int64_t i = 0; i < nt; ++i) {
+        const int end = std::min(n, batch.pos[t0 + i] + 1 - p0);
+        if (end > own)
+          accumulate_values(v0 + (size_t)own * kv_row_bytes_, sc + i * n_ctx_ + p0 + own, end - own,
+                            &att_[(t0 + i) * q_dim_ + head * hd], thread);
+      }
     }
   }
 }

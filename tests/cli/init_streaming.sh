@@ -15,12 +15,15 @@ size=$(stat -c %s "$tmp/base.gguf")
 echo "base bf16: $size bytes written, peak RSS ${rss} MiB"
 [[ -n $rss ]] || { echo "FAIL: no peak RSS line in: $log"; exit 1; }
 awk -v r="$rss" 'BEGIN { exit !(r < 96) }' || { echo "FAIL: peak RSS $rss MiB is not bounded (limit 96 MiB)"; exit 1; }
-"$merlin" info "$tmp/base.gguf" | grep "parameters: 123551232" >/dev/null || { echo "FAIL: wrong parameter count"; exit 1; }
+# Output captured first: under pipefail, grep leaving at its first match could fail `info` with EPIPE.
+info=$("$merlin" info "$tmp/base.gguf")
+grep -q "parameters: 123551232" <<<"$info" || { echo "FAIL: wrong parameter count"; exit 1; }
 
 "$merlin" init --preset sanity --seed 9 -t 1 --vocab-dir "$vocab" -o "$tmp/a.gguf" 2>/dev/null
 "$merlin" init --preset sanity --seed 9 -t 2 --vocab-dir "$vocab" -o "$tmp/b.gguf" 2>/dev/null
 "$merlin" init --preset sanity --seed 10 -t 2 --vocab-dir "$vocab" -o "$tmp/c.gguf" 2>/dev/null
 cmp -s "$tmp/a.gguf" "$tmp/b.gguf" || { echo "FAIL: same seed, different bytes with 1 and 2 threads"; exit 1; }
 ! cmp -s "$tmp/a.gguf" "$tmp/c.gguf" || { echo "FAIL: different seeds gave the same model"; exit 1; }
-ls "$tmp" | grep -q tmp && { echo "FAIL: temporary file left behind"; exit 1; }
+left=$(ls "$tmp")
+grep -q tmp <<<"$left" && { echo "FAIL: temporary file left behind"; exit 1; }
 echo PASS

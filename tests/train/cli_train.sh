@@ -85,7 +85,9 @@ case "$CASE" in
     grep -q "<svg" loss.svg && grep -q "train loss" loss.svg && grep -q "val loss" loss.svg || fail "SVG content"
     ;;
   e2e.info_checkpoint)
-    "$MERLIN" info run/ckpt-000006.ckpt | grep "merlin.train.step" >/dev/null || fail "merlin info does not show the training state"
+    # Captured first: under pipefail, grep leaving at its first match could fail `info` with EPIPE.
+    info="$("$MERLIN" info run/ckpt-000006.ckpt)" || fail "merlin info on a checkpoint"
+    grep -q "merlin.train.step" <<<"$info" || fail "merlin info does not show the training state"
     ;;
   e2e.resume_extends)
     # Resuming with more --steps continues the run (a longer schedule, so a warning about changed --steps).

@@ -200,6 +200,35 @@ TEST_P(OpsLevelTest, SoftmaxEdgeCases) {
   for (float v : equal) EXPECT_NEAR(v, 1.0f / 23, 1e-7);
 }
 
+// The fused RoPE + K/V write replaced rope_apply followed by to_f16 in the backend: at every level it must give
+// their bits exactly (rotated row and half row), for head sizes around the vector widths, partial rotation
+// (n_rot < head_dim, including 0) and with or without the half output.
+TEST_P(OpsLevelTest, RopeFusedWithF16WriteEqualsApplyThenConvert) {
+  SKIP_IF_UNAVAILABLE(GetParam());
+  for (int64_t head_dim : {2, 6, 16, 30, 32, 64, 100, 128})
+    for (int64_t n_rot : {(int64_t)0, (int64_t)2, head_dim / 4 * 2, head_dim - 2, head_dim})
+      for (int64_t pos : {0, 17, 1000})
+        for (bool half : {true, false}) {
+          if (n_rot < 0) continue;
+          SCOPED_TRACE("head_dim=" + std::to_string(head_dim) + " n_rot=" + std::to_string(n_rot) +
+                       " pos=" + std::to_string(pos) + (half ? " f16" : ""));
+          const int64_t n_heads = 3, n = n_heads * head_dim;
+          const std::vector<float> x0 = random_vec(n, -4, 4, rng);
+          std::vector<float> cs((size_t)n_rot + 2);
+          rope_angles(n_rot, pos, 10000.0f, cs.data());
+          std::vector<float> want = x0, got = x0, ref_x = x0;
+          std::vector<uint16_t> want16((size_t)n, 0x7e00), got16((size_t)n, 0x7e00), ref16((size_t)n, 0x7e00);
+          rope_apply(want.data(), n_heads, head_dim, n_rot, cs.data());
+          if (half) ref().to_f16(want.data(), want16.data(), n);
+          table().rope(got.data(), n_heads, head_dim, n_rot, cs.data(), half ? got16.data() : nullptr);
+          ref().rope(ref_x.data(), n_heads, head_dim, n_rot, cs.data(), half ? ref16.data() : nullptr);
+          ASSERT_EQ(0, std::memcmp(want.data(), got.data(), (size_t)n * sizeof(float)));
+          ASSERT_EQ(0, std::memcmp(want.data(), ref_x.data(), (size_t)n * sizeof(float)));
+          ASSERT_EQ(want16, got16);
+          ASSERT_EQ(want16, ref16);
+        }
+}
+
 INSTANTIATE_TEST_SUITE_P(Levels, OpsLevelTest,
                          ::testing::Values(KernelLevel::Scalar, KernelLevel::Avx2, KernelLevel::Avx512),
                          [](const auto& info) { return std::string(kernel_level_name(info.param)); });

@@ -154,7 +154,49 @@ void expect_fusion_exact(DType weights, const ModelConfig& config = test::small_
   }
 }
 
+// Decode steps in which each of 20 sequences has one token, in shuffled batch order (a server's many-sequence
+// step, where attention work items cover all heads of a token): sequence 0's logits must equal its logits
+// alone, with identity or shuffled paged tables.
+void expect_decode_steps_invariant(DType weights, DType kv, const ModelConfig& config = test::small_config()) {
+  SCOPED_TRACE(std::string("weights ") + dtype_name(weights) + ", kv " + dtype_name(kv));
+  test::TempDir dir;
+  const std::string path = test::write_small_model(dir, weights, 1, config);
+  if (path.empty()) GTEST_SKIP() << "shared data file '" << test::kTokenizerModel << "' not found";
+  auto m = Model::load(path);
+  const int vocab = (int)m->config().vocab_size, n_seq = 20;
+  const std::vector<int32_t> toks = tokens_of(40, 5, vocab);
+  auto alone = make(*m, kv, 1, false, 0);
+  const std::vector<float> ref = run(*alone, vocab, toks, 1, 0, false, 1);
+  for (bool paged : {false, true}) {
+    auto b = make(*m, kv, n_seq, paged, 99);
+    Rng rng(3);
+    std::vector<int> order((size_t)n_seq);
+    std::iota(order.begin(), order.end(), 0);
+    std::vector<float> got, logits((size_t)n_seq * vocab);
+    for (size_t i = 0; i < toks.size(); ++i) {
+      for (size_t j = order.size() - 1; j > 0; --j) std::swap(order[j], order[rng.below(j + 1)]);
+      Batch batch;
+      size_t ours = 0;
+      for (size_t r = 0; r < order.size(); ++r) {
+        const int s = order[r];
+        if (s == 0) ours = r;
+        batch.add(s == 0 ? toks[i] : (int32_t)((i * 7 + (size_t)s * 13) % (size_t)vocab), (int)i, s, true);
+      }
+      b->forward(batch, logits.data());
+      got.insert(got.end(), logits.begin() + (ptrdiff_t)(ours * vocab), logits.begin() + (ptrdiff_t)((ours + 1) * vocab));
+    }
+    EXPECT_TRUE(same_bits(got, ref)) << (paged ? "paged" : "identity tables");
+  }
+}
+
 }  // namespace
+
+TEST(BatchInvariance, DecodeStepOfManySequences) {
+  expect_decode_steps_invariant(DType::F16, DType::F16);
+  expect_decode_steps_invariant(DType::F32, DType::F32);
+  expect_decode_steps_invariant(DType::Q8_0, DType::Q8_0);
+  expect_decode_steps_invariant(DType::Q4_0, DType::F16, wide_config());
+}
 
 TEST(BatchInvariance, FusedInputsGiveUnfusedBits) {
   expect_fusion_exact(DType::Q8_0);

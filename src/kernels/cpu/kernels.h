@@ -64,6 +64,10 @@ struct KernelTable {
   // y = x rounded to IEEE half and back (round to nearest even); y may alias x.
   void (*round_f16)(const float* x, float* y, int64_t n);
   void (*to_f16)(const float* x, uint16_t* y, int64_t n);  // round to nearest even
+  // RoPE fused with the K/V cache write: rope_apply's rotation of the first n_rot dims of each of n_heads heads
+  // of x, in place, with rope_angles' table cs (the same operations, so the same bits), and, when f16 is not
+  // null, the rotated row rounded to IEEE half into f16 (to_f16's bits) in the same pass.
+  void (*rope)(float* x, int64_t n_heads, int64_t head_dim, int64_t n_rot, const float* cs, uint16_t* f16);
 };
 
 const KernelTable& kernels_for(KernelLevel level);

@@ -41,7 +41,8 @@ enum ScratchSlot : int { kScratchPackedW = 0, kScratchWeightRow = 1, kScratchRop
   void axpy_f16_rows(const float* a, size_t lda, int64_t n_vec, const uint16_t* x, size_t ldx, int64_t n_rows,     \
                      float* y, size_t ldy, int64_t n);                                                             \
   void round_f16(const float* x, float* y, int64_t n);                             \
-  void to_f16(const float* x, uint16_t* y, int64_t n);
+  void to_f16(const float* x, uint16_t* y, int64_t n);                             \
+  void rope(float* x, int64_t n_heads, int64_t head_dim, int64_t n_rot, const float* cs, uint16_t* f16);
 
 }  // namespace merlin::kernels::detail
 

@@ -130,6 +130,22 @@ void to_f16(const float* x, uint16_t* y, int64_t n) {
   }
 }
 
+// As the AVX-512 version: a = x * (c, c), b = swap(x) * (s, s); a - b in even lanes, a + b in odd ones. The
+// empty asm keeps GCC from contracting the products into FMAs (-ffp-contract=fast), which the scalar code has not.
+void rope(float* x, int64_t n_heads, int64_t head_dim, int64_t n_rot, const float* cs, uint16_t* f16) {
+  for (int64_t h = 0; h < n_heads; ++h) {
+    float* v = x + h * head_dim;
+    for (int64_t i = 0; i < n_rot; i += 8) {
+      const __m256 xv = load(v + i, n_rot - i), t = load(cs + i, n_rot - i);
+      __m256 a = _mm256_mul_ps(xv, _mm256_moveldup_ps(t));
+      __m256 b = _mm256_mul_ps(_mm256_permute_ps(xv, 0xB1), _mm256_movehdup_ps(t));
+      asm("" : "+x"(a), "+x"(b));
+      store(v + i, n_rot - i, _mm256_blend_ps(_mm256_sub_ps(a, b), _mm256_add_ps(a, b), 0xAA));
+    }
+    if (f16 != nullptr) to_f16(v, f16 + h * head_dim, head_dim);
+  }
+}
+
 void round_f16(const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; i += 8)
     store(y + i, n - i, _mm256_cvtph_ps(_mm256_cvtps_ph(load(x + i, n - i), _MM_FROUND_TO_NEAREST_INT)));

@@ -141,6 +141,31 @@ void to_f16(const float* x, uint16_t* y, int64_t n) {
   }
 }
 
+// Pairs (x0, x1) sit in adjacent lanes: a = x * (c, c) and b = swap(x) * (s, s) give x0 c - x1 s = a - b in
+// even lanes and x0 s + x1 c = b + a in odd ones, the scalar expressions' roundings. The empty asm keeps GCC
+// from contracting the products into FMAs (-ffp-contract=fast), which the scalar code has not.
+void rope(float* x, int64_t n_heads, int64_t head_dim, int64_t n_rot, const float* cs, uint16_t* f16) {
+  for (int64_t h = 0; h < n_heads; ++h) {
+    float* v = x + h * head_dim;
+    for (int64_t i = 0; i < head_dim; i += 16) {
+      const __mmask16 m = tail_mask(head_dim - i);
+      __m512 xv = _mm512_maskz_loadu_ps(m, v + i);
+      if (i < n_rot) {
+        const __mmask16 mr = tail_mask(n_rot - i);
+        const __m512 t = _mm512_maskz_loadu_ps(mr, cs + i);
+        __m512 a = _mm512_mul_ps(xv, _mm512_moveldup_ps(t));
+        __m512 b = _mm512_mul_ps(_mm512_permute_ps(xv, 0xB1), _mm512_movehdup_ps(t));
+        asm("" : "+v"(a), "+v"(b));
+        const __m512 r = _mm512_mask_add_ps(_mm512_sub_ps(a, b), (__mmask16)0xAAAA, a, b);
+        xv = _mm512_mask_mov_ps(xv, mr, r);
+        _mm512_mask_storeu_ps(v + i, mr, xv);
+      }
+      if (f16 != nullptr)
+        _mm256_mask_storeu_epi16(f16 + h * head_dim + i, m, _mm512_cvtps_ph(xv, _MM_FROUND_TO_NEAREST_INT));
+    }
+  }
+}
+
 void round_f16(const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = tail_mask(n - i);
