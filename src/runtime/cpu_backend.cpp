@@ -448,6 +448,7 @@ void CpuBackend::store_kv_row(const float* src, uint8_t* dst) {
   switch (kv_type_) {
     case DType::F32: std::memcpy(dst, src, (size_t)n * sizeof(float)); break;
     case DType::F16: kt_.to_f16(src, reinterpret_cast<uint16_t*>(dst), n); break;
+    case DType::Q8_0: kt_.quantize_q8_0(src, dst, n); break;
     default: kernels::quant_quantize_row(kv_type_, src, dst, n); break;
   }
 }
@@ -498,9 +499,9 @@ void CpuBackend::attend(int layer, const Batch& batch, int64_t t0, int64_t nt, i
 }
 
 // For each token i of the group: out_i = softmax(scores_i / sqrt(hd)) · V over its positions [0, pos_i].
-// With an F16 cache the positions all tokens share are summed for the whole group at once (each V row is
-// widened once), then each token's own positions follow; per output element that is the same sequence of
-// multiply-adds in position order as token by token.
+// With an F16 or Q8_0 cache the positions all tokens share are summed for the whole group at once (each V row
+// is widened or dequantized once), then each token's own positions follow; per output element that is the same
+// sequence of multiply-adds in position order as token by token.
 void CpuBackend::weigh_values(int layer, const Batch& batch, int64_t t0, int64_t nt, int64_t h0, int64_t h1,
                               float* scores, int thread) {
   const int64_t hd = c_.head_dim(), nh = h1 - h0;
@@ -534,6 +535,10 @@ void CpuBackend::weigh_values(int layer, const Batch& batch, int64_t t0, int64_t
         own = std::clamp(n_shared - p0, 0, n);
         kt_.axpy_f16_rows(sc + p0, (size_t)n_ctx_, nt, reinterpret_cast<const uint16_t*>(v0), ldv, own,
                           &att_[t0 * q_dim_ + head * hd], (size_t)q_dim_, hd);
+      } else if (kv_type_ == DType::Q8_0) {
+        own = std::clamp(n_shared - p0, 0, n);
+        kt_.axpy_q8_0_rows(sc + p0, (size_t)n_ctx_, nt, v0, kv_row_bytes_, own, &att_[t0 * q_dim_ + head * hd],
+                           (size_t)q_dim_, hd);
       }
       for (int64_t i = 0; i < nt; ++i) {
         const int end = std::min(n, batch.pos[t0 + i] + 1 - p0);
@@ -550,6 +555,10 @@ void CpuBackend::accumulate_values(const uint8_t* v0, const float* w, int n, flo
   const int64_t hd = c_.head_dim();
   if (kv_type_ == DType::F16) {  // w is already rounded to f16 values
     kt_.axpy_f16_rows(w, 0, 1, reinterpret_cast<const uint16_t*>(v0), kv_row_bytes_ / sizeof(uint16_t), n, out, 0, hd);
+    return;
+  }
+  if (kv_type_ == DType::Q8_0) {
+    kt_.axpy_q8_0_rows(w, 0, 1, v0, kv_row_bytes_, n, out, 0, hd);
     return;
   }
   for (int p = 0; p < n; ++p) {

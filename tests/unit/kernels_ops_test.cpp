@@ -15,6 +15,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/quant.h"
 
 namespace merlin {
 // Readable parameter names in gtest failure messages.
@@ -141,6 +142,63 @@ TEST_P(OpsLevelTest, AxpyF16RowsEqualsRepeatedAxpyF16) {
         table().axpy_f16_rows(a.data(), lda, n_vec, x.data(), ldx, rows, y2.data(), ldy, n);
         for (size_t i = 0; i < y1.size(); ++i) ASSERT_EQ(y1[i], y2[i]) << i;
       }
+}
+
+// The fused Q8_0 version must equal, bit for bit, the scalar reference dequantize_row followed by one axpy per
+// (output, row) at the same level (what the runtime called before), for widths around its 32/64/128-column
+// tiles, a row stride wider than the row, and output counts around the 6-output tile.
+TEST_P(OpsLevelTest, AxpyQ8_0RowsEqualsDequantizeThenAxpy) {
+  SKIP_IF_UNAVAILABLE(GetParam());
+  std::uniform_int_distribution<int> qdist(-128, 127);
+  for (int64_t n : {32, 64, 96, 128, 160, 256})
+    for (int64_t rows : {0, 1, 3, 37})
+      for (int64_t n_vec : {1, 2, 3, 5, 6, 7, 13}) {
+        SCOPED_TRACE("n=" + std::to_string(n) + " rows=" + std::to_string(rows) + " vectors=" + std::to_string(n_vec));
+        const size_t row_bytes = (size_t)n / 32 * 34, ldx = row_bytes + 7, lda = (size_t)rows + 3,
+                     ldy = (size_t)n + 2;
+        std::vector<uint8_t> x(ldx * (size_t)std::max<int64_t>(rows, 1));
+        for (int64_t p = 0; p < rows; ++p)
+          for (int64_t b = 0; b < n / 32; ++b) {
+            uint8_t* blk = x.data() + (size_t)p * ldx + (size_t)b * 34;
+            const uint16_t d = f32_to_fp16(random_vec(1, 1e-3f, 0.05f, rng)[0]);
+            std::memcpy(blk, &d, 2);
+            for (int j = 0; j < 32; ++j) blk[2 + j] = (uint8_t)(int8_t)qdist(rng);
+          }
+        std::vector<float> a = random_vec((int64_t)lda * n_vec, 0, 1, rng);
+        std::vector<float> y1 = random_vec((int64_t)ldy * n_vec, -1, 1, rng), y2 = y1, row((size_t)n);
+        for (int64_t v = 0; v < n_vec; ++v)
+          for (int64_t p = 0; p < rows; ++p) {
+            dequantize_row(DType::Q8_0, x.data() + (size_t)p * ldx, row.data(), n);
+            table().axpy(a[v * lda + p], row.data(), &y1[v * ldy], n);
+          }
+        table().axpy_q8_0_rows(a.data(), lda, n_vec, x.data(), ldx, rows, y2.data(), ldy, n);
+        for (size_t i = 0; i < y1.size(); ++i) ASSERT_EQ(y1[i], y2[i]) << i;
+      }
+}
+
+// The K/V cache's Q8_0 writes must be the reference quantizer's bytes: random blocks of several magnitudes, an
+// all-zero block, and a block with amax 127 (d = 1, id = 1) whose values sit exactly on and next to halves.
+TEST_P(OpsLevelTest, QuantizeQ8_0MatchesReference) {
+  SKIP_IF_UNAVAILABLE(GetParam());
+  std::vector<float> x;
+  for (float scale : {1e-6f, 0.01f, 1.0f, 300.0f})
+    for (int b = 0; b < 256; ++b) {
+      const std::vector<float> v = random_vec(32, -scale, scale, rng);
+      x.insert(x.end(), v.begin(), v.end());
+    }
+  x.insert(x.end(), 32, 0.0f);
+  for (int j = 0; j < 32; ++j) {
+    const float f = j == 0 ? 127.0f : (float)(j % 16) - 7.5f;
+    x.push_back(j % 3 == 2 ? std::nextafter(f, 0.0f) : j % 5 == 4 ? std::nextafter(f, 200.0f) : f);
+  }
+  x.push_back(-127.0f);
+  for (int j = 1; j < 32; ++j) x.push_back(j % 2 ? 0.5f * (float)j : -0.5f * (float)j);
+  const int64_t n = (int64_t)x.size();
+  const size_t bytes = (size_t)n / 32 * 34;
+  std::vector<uint8_t> want(bytes), got(bytes, 0xAB);
+  ASSERT_TRUE(quant_quantize_row(DType::Q8_0, x.data(), want.data(), n));
+  table().quantize_q8_0(x.data(), got.data(), n);
+  for (size_t i = 0; i < bytes; ++i) ASSERT_EQ(want[i], got[i]) << "byte " << i << " (block " << i / 34 << ")";
 }
 
 // Hardware conversions against the software ones: round to nearest even, halfway cases, overflow to

@@ -61,6 +61,14 @@ struct KernelTable {
   // each x row is widened once (attention's weighted sums of an F16 V cache for a group of tokens).
   void (*axpy_f16_rows)(const float* a, size_t lda, int64_t n_vec, const uint16_t* x, size_t ldx, int64_t n_rows,
                         float* y, size_t ldy, int64_t n);
+  // axpy_f16_rows for a Q8_0 x: rows of n elements (a whole number of 34-byte blocks) ldx bytes apart. Per
+  // element the operations of dequantize_row (d * q) followed by axpy, row by row in order, so the same bits
+  // as n_rows (dequantize_row, axpy) pairs; each row is dequantized once for all n_vec outputs.
+  void (*axpy_q8_0_rows)(const float* a, size_t lda, int64_t n_vec, const uint8_t* x, size_t ldx, int64_t n_rows,
+                         float* y, size_t ldy, int64_t n);
+  // n floats (a whole number of 32-element blocks) to Q8_0 blocks, the bytes of quant_quantize_row's reference
+  // quantizer (d = amax / 127, q = round-half-away(x * (1 / d))): the K/V cache write.
+  void (*quantize_q8_0)(const float* x, uint8_t* y, int64_t n);
   // y = x rounded to IEEE half and back (round to nearest even); y may alias x.
   void (*round_f16)(const float* x, float* y, int64_t n);
   void (*to_f16)(const float* x, uint16_t* y, int64_t n);  // round to nearest even

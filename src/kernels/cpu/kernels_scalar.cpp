@@ -5,6 +5,7 @@
 
 #include "core/dtype.h"
 #include "kernels/cpu/kernels_impl.h"
+#include "kernels/cpu/quant.h"
 
 namespace merlin::kernels::scalar {
 namespace {
@@ -84,6 +85,18 @@ void axpy_f16_rows(const float* a, size_t lda, int64_t n_vec, const uint16_t* x,
     for (int64_t p = 0; p < n_rows; ++p) axpy_f16(a[v * lda + p], x + (size_t)p * ldx, y + v * ldy, n);
 }
 
+void quantize_q8_0(const float* x, uint8_t* y, int64_t n) { quant_quantize_row(DType::Q8_0, x, y, n); }
+
+// Each row dequantized once (dequantize_row's d * q), then axpy into every output.
+void axpy_q8_0_rows(const float* a, size_t lda, int64_t n_vec, const uint8_t* x, size_t ldx, int64_t n_rows, float* y,
+                    size_t ldy, int64_t n) {
+  float* row = detail::scratch_floats(detail::kScratchWeightRow, (size_t)n);
+  for (int64_t p = 0; p < n_rows; ++p) {
+    dequantize_row(DType::Q8_0, x + (size_t)p * ldx, row, n);
+    for (int64_t v = 0; v < n_vec; ++v) axpy(a[v * lda + p], row, y + v * ldy, n);
+  }
+}
+
 void round_f16(const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = fp16_to_f32(f32_to_fp16(x[i]));
 }
@@ -92,17 +105,10 @@ void to_f16(const float* x, uint16_t* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = f32_to_fp16(x[i]);
 }
 
+// The reference of the fused kernel is the unfused pair.
 void rope(float* x, int64_t n_heads, int64_t head_dim, int64_t n_rot, const float* cs, uint16_t* f16) {
-  for (int64_t h = 0; h < n_heads; ++h) {
-    float* v = x + h * head_dim;
-    for (int64_t i = 0; i < n_rot / 2; ++i) {
-      const float c = cs[2 * i], s = cs[2 * i + 1];
-      const float x0 = v[2 * i], x1 = v[2 * i + 1];
-      v[2 * i] = x0 * c - x1 * s;
-      v[2 * i + 1] = x0 * s + x1 * c;
-    }
-    if (f16 != nullptr) to_f16(v, f16 + h * head_dim, head_dim);
-  }
+  rope_apply(x, n_heads, head_dim, n_rot, cs);
+  if (f16 != nullptr) to_f16(x, f16, n_heads * head_dim);
 }
 
 void add(const float* a, const float* b, float* out, int64_t n) {

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "kernels/cpu/kernels_impl.h"
+#include "kernels/cpu/quant.h"
 
 namespace merlin::kernels::avx2 {
 namespace {
@@ -116,6 +117,18 @@ void axpy_f16_rows(const float* a, size_t lda, int64_t n_vec, const uint16_t* x,
                    size_t ldy, int64_t n) {
   for (int64_t v = 0; v < n_vec; ++v)
     for (int64_t p = 0; p < n_rows; ++p) axpy_f16(a[v * lda + p], x + (size_t)p * ldx, y + v * ldy, n);
+}
+
+void quantize_q8_0(const float* x, uint8_t* y, int64_t n) { quant_quantize_row(DType::Q8_0, x, y, n); }
+
+// Each row dequantized once (the reference dequantize_row), then axpy into every output.
+void axpy_q8_0_rows(const float* a, size_t lda, int64_t n_vec, const uint8_t* x, size_t ldx, int64_t n_rows, float* y,
+                    size_t ldy, int64_t n) {
+  float* row = detail::scratch_floats(detail::kScratchWeightRow, (size_t)n);
+  for (int64_t p = 0; p < n_rows; ++p) {
+    dequantize_row(DType::Q8_0, x + (size_t)p * ldx, row, n);
+    for (int64_t v = 0; v < n_vec; ++v) axpy(a[v * lda + p], row, y + v * ldy, n);
+  }
 }
 
 // F16C conversions; the tail goes through a zero-padded 8-element buffer.

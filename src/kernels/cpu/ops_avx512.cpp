@@ -134,6 +134,97 @@ void axpy_f16_rows(const float* a, size_t lda, int64_t n_vec, const uint16_t* x,
   }
 }
 
+namespace {
+
+// Q8_0 rows (34-byte blocks: fp16 scale d, 32 int8 q), CW vectors (CW / 2 blocks) of columns [c, c + 16 CW) for
+// V outputs held in registers. Each row's values d * q are formed once (dequantize_row's product; int8 -> float
+// is exact), then every output takes axpy's fmadd(a, x, y): per element the bits of dequantize_row + axpy.
+// One or two outputs (decode) take eight vectors at a time, so eight independent FMA chains hide the latency.
+template <int V, int CW>
+void axpy_q8_0_rows_tile(const float* a, size_t lda, const uint8_t* x, size_t ldx, int64_t n_rows, float* y,
+                         size_t ldy, int64_t c) {
+  __m512 acc[V][CW];
+#pragma GCC unroll 8
+  for (int j = 0; j < CW; ++j)
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) acc[v][j] = _mm512_loadu_ps(y + v * ldy + c + 16 * j);
+  const uint8_t* xc = x + (size_t)(c / 32) * 34;
+  for (int64_t p = 0; p < n_rows; ++p) {
+    const uint8_t* xp = xc + (size_t)p * ldx;
+    __m512 xv[CW];
+#pragma GCC unroll 4
+    for (int b = 0; b < CW / 2; ++b) {
+      const uint8_t* blk = xp + 34 * b;
+      uint16_t h;
+      __builtin_memcpy(&h, blk, sizeof h);
+      const __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16((short)h));
+      const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+      const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18));
+      xv[2 * b] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
+      xv[2 * b + 1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) {
+      const __m512 av = _mm512_set1_ps(a[v * lda + p]);
+#pragma GCC unroll 8
+      for (int j = 0; j < CW; ++j) acc[v][j] = _mm512_fmadd_ps(av, xv[j], acc[v][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < CW; ++j)
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(y + v * ldy + c + 16 * j, acc[v][j]);
+}
+
+}  // namespace
+
+void axpy_q8_0_rows(const float* a, size_t lda, int64_t n_vec, const uint8_t* x, size_t ldx, int64_t n_rows, float* y,
+                    size_t ldy, int64_t n) {
+  using Fn = void (*)(const float*, size_t, const uint8_t*, size_t, int64_t, float*, size_t, int64_t);
+  // [outputs - 1][0: 32 columns, 1: 64, 2: 128]
+  static constexpr Fn kTiles[6][3] = {
+      {&axpy_q8_0_rows_tile<1, 2>, &axpy_q8_0_rows_tile<1, 4>, &axpy_q8_0_rows_tile<1, 8>},
+      {&axpy_q8_0_rows_tile<2, 2>, &axpy_q8_0_rows_tile<2, 4>, &axpy_q8_0_rows_tile<2, 8>},
+      {&axpy_q8_0_rows_tile<3, 2>, &axpy_q8_0_rows_tile<3, 4>, nullptr},
+      {&axpy_q8_0_rows_tile<4, 2>, &axpy_q8_0_rows_tile<4, 4>, nullptr},
+      {&axpy_q8_0_rows_tile<5, 2>, &axpy_q8_0_rows_tile<5, 4>, nullptr},
+      {&axpy_q8_0_rows_tile<6, 2>, &axpy_q8_0_rows_tile<6, 4>, nullptr}};
+  if (n_rows <= 0) return;
+  for (int64_t v = 0; v < n_vec; v += 6) {
+    const int64_t nv = n_vec - v < 6 ? n_vec - v : 6;
+    for (int64_t c = 0; c < n;) {
+      const int w = nv <= 2 && n - c >= 128 ? 2 : n - c >= 64 ? 1 : 0;
+      kTiles[nv - 1][w](a + v * lda, lda, x, ldx, n_rows, y + v * ldy, ldy, c);
+      c += (int64_t)32 << w;
+    }
+  }
+}
+
+// The reference quantizer's operations per block: amax by max of |x| (exact), d = amax / 127 and id = 1 / d in
+// float, the fp16 scale rounded to nearest even (vcvtps2ph, as f32_to_fp16), and roundf's half-away-from-zero
+// rounding of x * id as truncation plus a step of one away from zero where the dropped fraction (exact:
+// x * id - trunc(x * id) needs no rounding) is at least one half.
+void quantize_q8_0(const float* x, uint8_t* y, int64_t n) {
+  const __m512 sign = _mm512_set1_ps(-0.0f), one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f);
+  for (int64_t b = 0; b < n / 32; ++b, x += 32, y += 34) {
+    const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const uint16_t h = (uint16_t)_mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(d), _MM_FROUND_TO_NEAREST_INT), 0);
+    __builtin_memcpy(y, &h, sizeof h);
+    const __m512 idv = _mm512_set1_ps(id);
+#pragma GCC unroll 2
+    for (int j = 0; j < 2; ++j) {
+      const __m512 v = _mm512_mul_ps(j == 0 ? v0 : v1, idv);
+      const __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+      const __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, t)), half, _CMP_GE_OQ);
+      const __m512 r = _mm512_mask_add_ps(t, up, t, _mm512_or_ps(one, _mm512_and_ps(v, sign)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(y + 2 + 16 * j), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(r)));
+    }
+  }
+}
+
 void to_f16(const float* x, uint16_t* y, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = tail_mask(n - i);
