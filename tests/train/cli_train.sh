@@ -69,7 +69,11 @@ if [[ "$CASE" == setup ]]; then
   exit 0
 fi
 
-cd "$WORK" || exit 1
+# Each case works in a folder of its own, since ctest runs cases in parallel (two once shared an err.txt);
+# the fixture's dataset and run are linked in, read-only by convention.
+CASE_DIR="$WORK/cases/$CASE"
+rm -rf "$CASE_DIR" && mkdir -p "$CASE_DIR" && cd "$CASE_DIR" || exit 1
+ln -s "$WORK/data" data && ln -s "$WORK/run" run || exit 1
 case "$CASE" in
   e2e.export_and_run)
     for t in f32 f16 bf16; do
@@ -91,7 +95,7 @@ case "$CASE" in
     ;;
   e2e.resume_extends)
     # Resuming with more --steps continues the run (a longer schedule, so a warning about changed --steps).
-    cp -r run run2
+    cp -rL run run2
     "$MERLIN" train "${SMALL[@]}" --data data --out run2 --resume run2 --steps 8 --batch 2 --seq 32 --warmup 2 \
       --eval-every 3 --eval-tokens 256 --ckpt-every 3 --seed 1 -t 2 -q 2>err.txt || fail "resume"
     grep -q "warning: steps" err.txt || fail "no warning about the changed --steps"
