@@ -144,6 +144,35 @@ TEST_P(OpsLevelTest, AxpyF16RowsEqualsRepeatedAxpyF16) {
       }
 }
 
+// scores_f16 must equal, bit for bit, the F16 matmul at the same level (and so the scalar reference, which
+// MatmulLevel ties to it) for attention's shapes: K blocks of up to 16 rows and beyond, row strides wider
+// than the row, head sizes on and off its 64-multiple fast path, up to and past the 6-token group.
+TEST_P(OpsLevelTest, ScoresF16EqualsMatmulF16) {
+  SKIP_IF_UNAVAILABLE(GetParam());
+  const MatmulKernel* mm = table().matmul(DType::F16);
+  for (int64_t k : {32, 64, 96, 128, 192, 256, 320})
+    for (int64_t rows : {1, 5, 15, 16, 17, 40})
+      for (int64_t nt : {1, 2, 5, 6, 7, 9}) {
+        SCOPED_TRACE("k=" + std::to_string(k) + " rows=" + std::to_string(rows) + " tokens=" + std::to_string(nt));
+        const size_t ldw = (size_t)k * 3 + 8, ldx = (size_t)k + 5;
+        const int64_t ldy = rows + 11;
+        std::vector<uint16_t> w(ldw * (size_t)rows);
+        const std::vector<float> wv = random_vec((int64_t)w.size(), -2, 2, rng);
+        for (size_t i = 0; i < w.size(); ++i) w[i] = f32_to_fp16(wv[i]);
+        const std::vector<float> x = random_vec((int64_t)ldx * nt, -1, 1, rng);
+        std::vector<float> y1((size_t)(ldy * nt), 7.0f), y2 = y1;
+        mm->rows(w.data(), ldw * 2, 0, rows, x.data(), ldx * 4, nt, k, y1.data(), ldy);
+        table().scores_f16(w.data(), ldw * 2, 0, rows, x.data(), ldx * 4, nt, k, y2.data(), ldy);
+        for (size_t i = 0; i < y1.size(); ++i) ASSERT_EQ(y1[i], y2[i]) << i;
+        // A sub-range of rows writes only its own outputs.
+        std::vector<float> y3((size_t)(ldy * nt), 7.0f);
+        table().scores_f16(w.data(), ldw * 2, rows / 2, rows, x.data(), ldx * 4, nt, k, y3.data(), ldy);
+        for (int64_t t = 0; t < nt; ++t)
+          for (int64_t r = 0; r < ldy; ++r)
+            ASSERT_EQ(y3[(size_t)(t * ldy + r)], r >= rows / 2 && r < rows ? y1[(size_t)(t * ldy + r)] : 7.0f) << r;
+      }
+}
+
 // The fused Q8_0 version must equal, bit for bit, the scalar reference dequantize_row followed by one axpy per
 // (output, row) at the same level (what the runtime called before), for widths around its 32/64/128-column
 // tiles, a row stride wider than the row, and output counts around the 6-output tile.

@@ -76,6 +76,12 @@ struct KernelTable {
   // of x, in place, with rope_angles' table cs (the same operations, so the same bits), and, when f16 is not
   // null, the rotated row rounded to IEEE half into f16 (to_f16's bits) in the same pass.
   void (*rope)(float* x, int64_t n_heads, int64_t head_dim, int64_t n_rot, const float* cs, uint16_t* f16);
+  // Attention scores over an F16 K cache: matmul(F16)->rows' arguments and, per output, its exact bits (the
+  // fixed four-chain recipe and reduction tree), built for short blocks of rows (a 16-position K block times a
+  // few tokens, k = head_dim): rows are widened once per call and 16 rows' horizontal sums share one
+  // in-register transpose-and-add tree instead of one reduction per four outputs.
+  void (*scores_f16)(const void* w, size_t w_row_bytes, int64_t r0, int64_t r1, const void* x, size_t x_row_bytes,
+                     int64_t n_tokens, int64_t k, float* y, int64_t ldy);
 };
 
 const KernelTable& kernels_for(KernelLevel level);

@@ -45,7 +45,8 @@ enum ScratchSlot : int { kScratchPackedW = 0, kScratchWeightRow = 1, kScratchRop
   void quantize_q8_0(const float* x, uint8_t* y, int64_t n);                      \
   void round_f16(const float* x, float* y, int64_t n);                             \
   void to_f16(const float* x, uint16_t* y, int64_t n);                             \
-  void rope(float* x, int64_t n_heads, int64_t head_dim, int64_t n_rot, const float* cs, uint16_t* f16);
+  void rope(float* x, int64_t n_heads, int64_t head_dim, int64_t n_rot, const float* cs, uint16_t* f16);  \
+  void scores_f16(MERLIN_MATMUL_ARGS);
 
 }  // namespace merlin::kernels::detail
 

@@ -45,6 +45,9 @@ void matmul_f16(MERLIN_MATMUL_ARGS) {
   matmul_half<fp16_to_f32>(w, w_row_bytes, r0, r1, x, x_row_bytes, n_tokens, k, y, ldy);
 }
 
+// The reference: the matmul itself.
+void scores_f16(MERLIN_MATMUL_ARGS) { matmul_f16(w, w_row_bytes, r0, r1, x, x_row_bytes, n_tokens, k, y, ldy); }
+
 void matmul_bf16(MERLIN_MATMUL_ARGS) {
   matmul_half<bf16_to_f32>(w, w_row_bytes, r0, r1, x, x_row_bytes, n_tokens, k, y, ldy);
 }

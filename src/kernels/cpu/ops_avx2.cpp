@@ -194,4 +194,6 @@ void softmax(float* x, int64_t n) {
   for (int64_t i = 0; i < n; i += 8) store(x + i, n - i, _mm256_mul_ps(load(x + i, n - i), inv));
 }
 
+void scores_f16(MERLIN_MATMUL_ARGS) { matmul_f16(w, w_row_bytes, r0, r1, x, x_row_bytes, n_tokens, k, y, ldy); }
+
 }  // namespace merlin::kernels::avx2

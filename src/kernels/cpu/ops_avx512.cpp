@@ -299,4 +299,77 @@ void softmax(float* x, int64_t n) {
   }
 }
 
+namespace {
+
+// scores_f16 for k = 64 NS: rows [r, r + 16) (nr of them real), widened once into wf, then per token each
+// row's four chains (acc_u = fma over s of w[64 s + 16 u ..] * x[..], from zero) summed ((a0 + a1) + a2) + a3
+// as matmul_f16's row_dots, and the 16 sums reduced together: lane i of the result is, for its row,
+// h_l = s[l] + s[l + 8], then ((h0 + h1) + (h2 + h3)) + ((h4 + h5) + (h6 + h7)), matmul's reduce4 tree (each
+// add is the same pair of values, so the same bits). Rows 0-3 / 4-7 are paired so the lanes come out in order.
+template <int NS>
+void scores_f16_block(const uint16_t* w, size_t w_row_bytes, int64_t nr, const void* x, size_t x_row_bytes,
+                      int64_t n_tokens, float* y, int64_t ldy) {
+  constexpr int K = 64 * NS;
+  alignas(64) float wf[16 * K];
+  for (int i = 0; i < 16; ++i) {
+    const uint16_t* wr = reinterpret_cast<const uint16_t*>(reinterpret_cast<const char*>(w) + i * w_row_bytes);
+#pragma GCC unroll 16
+    for (int j = 0; j < K; j += 16)
+      _mm512_store_ps(wf + i * K + j, i < nr ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(wr + j)))
+                                             : _mm512_setzero_ps());
+  }
+  auto pair = [](__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  };
+  auto adjacent = [](__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+  };
+  const __mmask16 m = tail_mask(nr);
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    const float* xt = reinterpret_cast<const float*>(static_cast<const char*>(x) + t * x_row_bytes);
+    __m512 xv[4 * NS];
+#pragma GCC unroll 16
+    for (int j = 0; j < 4 * NS; ++j) xv[j] = _mm512_loadu_ps(xt + 16 * j);
+    auto row_sum = [&](int i) {
+      const float* wi = wf + i * K;
+      __m512 acc[4];
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) acc[u] = _mm512_fmadd_ps(_mm512_load_ps(wi + 16 * u), xv[u], _mm512_setzero_ps());
+#pragma GCC unroll 4
+      for (int s = 1; s < NS; ++s)
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u)
+          acc[u] = _mm512_fmadd_ps(_mm512_load_ps(wi + 64 * s + 16 * u), xv[4 * s + u], acc[u]);
+      return _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), acc[2]), acc[3]);
+    };
+    __m512 e[2];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const int b = 8 * h;
+      const __m512 d0 = adjacent(pair(row_sum(b), row_sum(b + 4)), pair(row_sum(b + 1), row_sum(b + 5)));
+      const __m512 d1 = adjacent(pair(row_sum(b + 2), row_sum(b + 6)), pair(row_sum(b + 3), row_sum(b + 7)));
+      e[h] = adjacent(d0, d1);
+    }
+    const __m512 f = _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], 0x88), _mm512_shuffle_f32x4(e[0], e[1], 0xDD));
+    _mm512_mask_storeu_ps(y + t * ldy, m, f);
+  }
+}
+
+}  // namespace
+
+void scores_f16(MERLIN_MATMUL_ARGS) {
+  using Fn = void (*)(const uint16_t*, size_t, int64_t, const void*, size_t, int64_t, float*, int64_t);
+  static constexpr Fn kBlocks[4] = {&scores_f16_block<1>, &scores_f16_block<2>, &scores_f16_block<3>,
+                                    &scores_f16_block<4>};
+  if (k <= 0 || k % 64 != 0 || k > 256 || r1 <= r0 || n_tokens <= 0) {
+    matmul_f16(w, w_row_bytes, r0, r1, x, x_row_bytes, n_tokens, k, y, ldy);
+    return;
+  }
+  for (int64_t r = r0; r < r1; r += 16) {
+    const int64_t nr = r1 - r < 16 ? r1 - r : 16;
+    kBlocks[k / 64 - 1](reinterpret_cast<const uint16_t*>(static_cast<const char*>(w) + r * w_row_bytes), w_row_bytes,
+                        nr, x, x_row_bytes, n_tokens, y + r, ldy);
+  }
+}
+
 }  // namespace merlin::kernels::avx512
