@@ -19,9 +19,12 @@
 #include "runtime/model.h"
 #include "runtime/quantize_model.h"
 #include "runtime/sampler.h"
+#include "logits_test_util.h"
 #include "test_util.h"
 
 using namespace merlin;
+using test::max_abs;
+using test::max_diff;
 
 namespace {
 
@@ -76,18 +79,6 @@ class Models {
   std::string f32_;
   std::map<DType, std::string> paths_;
 };
-
-float max_abs(const std::vector<float>& v) {
-  float m = 0;
-  for (float x : v) m = std::max(m, std::fabs(x));
-  return m;
-}
-float max_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  float m = 0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) m = std::max(m, std::fabs(a[i] - b[i]));
-  return m;
-}
 
 // Prefill of 21 tokens (all logits), then 6 single-token decode steps: the rows of both.
 std::vector<float> run_logits(const Model& m, Backend& b) {
@@ -351,18 +342,7 @@ TEST(CudaBackend, PagedBatchMatchesSeparateRuns) {
   paged->set_block_table(1, std::vector<int32_t>{0, 19});
   paged->set_block_table(2, std::vector<int32_t>{8});
   EXPECT_THROW(paged->set_block_table(2, std::vector<int32_t>{20}), Error);
-  Batch b;
-  for (size_t si = 0; si < seqs.size(); ++si)
-    for (size_t i = 0; i < seqs[si].size(); ++i) b.add(seqs[si][i], (int)i, (int)si, true);
-  std::vector<float> mixed(b.n_logits() * vocab);
-  paged->forward(b, mixed.data());
-  size_t row = 0;
-  for (size_t si = 0; si < seqs.size(); ++si) {
-    std::vector<float> got(mixed.begin() + (ptrdiff_t)(row * vocab),
-                           mixed.begin() + (ptrdiff_t)((row + seqs[si].size()) * vocab));
-    EXPECT_LE(max_diff(got, alone[si]), 1e-6f * max_abs(alone[si])) << "sequence " << si;
-    row += seqs[si].size();
-  }
+  test::expect_batch_matches_alone(*paged, seqs, alone, vocab, 1e-6f);
   // One more decode step of sequence 1 (position 5, second block) against a single-sequence backend.
   auto single = make_backend("cuda", *m, opts_with(1, 32));
   prefill(*m, *single, seqs[1], 0, 0, false);

@@ -8,9 +8,12 @@
 #include "runtime/backend.h"
 #include "runtime/generate.h"
 #include "runtime/model.h"
+#include "logits_test_util.h"
 #include "test_util.h"
 
 using namespace merlin;
+using test::max_abs;
+using test::max_diff;
 
 namespace {
 
@@ -45,19 +48,6 @@ std::string llama2c_greedy(const Model& m, const std::string& prompt, int steps)
     return true;
   });
   return text + "\n";
-}
-
-float max_abs(const std::vector<float>& v) {
-  float m = 0;
-  for (float x : v) m = std::max(m, std::fabs(x));
-  return m;
-}
-
-float max_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  float m = 0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) m = std::max(m, std::fabs(a[i] - b[i]));
-  return m;
 }
 
 }  // namespace
@@ -142,18 +132,7 @@ TEST(Forward, SequencesInOneBatchMatchSeparateRuns) {
   const std::vector<std::vector<int32_t>> seqs = {{1, 403, 407}, {1, 50, 60, 70, 80}, {1, 9}};
   std::vector<std::vector<float>> alone;
   for (const auto& s : seqs) alone.push_back(prefill(*m, *backend, s, 0, 0, true));
-  Batch b;
-  for (size_t si = 0; si < seqs.size(); ++si)
-    for (size_t i = 0; i < seqs[si].size(); ++i) b.add(seqs[si][i], (int)i, (int)si, true);
-  std::vector<float> mixed(b.n_logits() * vocab);
-  backend->forward(b, mixed.data());
-  size_t row = 0;
-  for (size_t si = 0; si < seqs.size(); ++si) {
-    std::vector<float> got(mixed.begin() + (ptrdiff_t)(row * vocab),
-                           mixed.begin() + (ptrdiff_t)((row + seqs[si].size()) * vocab));
-    EXPECT_LE(max_diff(got, alone[si]), 1e-5f * max_abs(alone[si])) << "sequence " << si;
-    row += seqs[si].size();
-  }
+  test::expect_batch_matches_alone(*backend, seqs, alone, vocab, 1e-5f);
 }
 
 TEST(Forward, RejectsBadTokensAndPositions) {
