@@ -1,38 +1,58 @@
 #!/usr/bin/env bash
-# Quick performance probe for the GPU machine (docs/GPU.md): both GPU test binaries, the matrix-product
-# microbenchmark (bench/cuda_matvec.cpp), and decode/prefill benchmarks of `base` q4_0 with programmatic
-# dependent launch on and off, plus `macbook` q4_0 when MACBOOK=1. Cheaper than scripts/gpu_test.sh; use it
-# to check a kernel change before the full run.
+# Quick performance probe for the GPU machine (docs/GPU.md): the GPU test binaries, the matrix-product
+# microbenchmark (bench/cuda_matvec.cpp), and decode/prefill benchmarks of `base` under the A/B settings in
+# SETTINGS, plus `macbook` when MACBOOK=1. Cheaper than scripts/gpu_test.sh; use it to check a kernel change
+# before the full run.
 #
 #   scripts/gpu_perf.sh [BIN_DIR]        (BIN_DIR as for gpu_test.sh, plus cuda_matvec)
+#
+# SETTINGS: ';'-separated environment settings to compare ("" = defaults), e.g.
+#   SETTINGS=";MERLIN_CUDA_GEMM_MIN=0;MERLIN_CUDA_NT4_CAP=1"
+# BASE_TYPES (default "f16 q4_0"), MACBOOK_TYPES (default "q4_0"), TESTS=0 skips the tests, MATVEC=0 the
+# microbenchmark, KEEP_MODELS=1 keeps the model files in MODEL_DIR for the next call (and reuses them).
 set -u
 BIN=$(realpath "${1:-build-gpu}")
 OUT=${OUT:-$PWD/gpu-results}
 MODEL_DIR=${MODEL_DIR:-/tmp/merlin-models}
 export MERLIN_VOCAB_DIR=${MERLIN_VOCAB_DIR:-$BIN/gpt2}
 export LD_LIBRARY_PATH="$BIN/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+source "$(dirname "$0")/gpu_env.sh"
 mkdir -p "$OUT" "$MODEL_DIR"
-for t in cuda_kernels_test cuda_backend_test; do
-  "$BIN/$t" --gtest_brief=1 >>"$OUT/tests.log" 2>&1 && echo "PASS $t" || echo "FAIL $t"
-done
-grep -E "FAILED|Failure|^\[ logits" "$OUT/tests.log" | head -30
-"$BIN/cuda_matvec" | tee "$OUT/matvec.md"
-B="$BIN/merlin bench --device cuda -p 512 -n 128 -r 2 --decode-batches 1,32"
-"$BIN/merlin" init --preset base --type f32 -o "$MODEL_DIR/base-f32.gguf" >/dev/null 2>&1
-# base q4_0 with the defaults, with the opt-in fused preparation, and without programmatic dependent launch; base f16.
-"$BIN/merlin" quantize -q "$MODEL_DIR/base-f32.gguf" "$MODEL_DIR/base-q4_0.gguf" q4_0 >/dev/null 2>&1
-"$BIN/merlin" quantize -q "$MODEL_DIR/base-f32.gguf" "$MODEL_DIR/base-f16.gguf" f16 >/dev/null 2>&1
-for setting in "" MERLIN_CUDA_FUSE=1 MERLIN_CUDA_PDL=0; do
-  echo "== base q4_0 ${setting:-defaults}"
-  env $setting $B -m "$MODEL_DIR/base-q4_0.gguf" 2>/dev/null | grep -E "pp512|tg128" | tee -a "$OUT/bench.md"
-done
-echo "== base f16"
-$B -m "$MODEL_DIR/base-f16.gguf" 2>/dev/null | grep -E "pp512|tg128" | tee -a "$OUT/bench.md"
+IFS=';' read -r -a settings <<<"${SETTINGS:-;MERLIN_CUDA_GEMM_MIN=0}"
+[ ${#settings[@]} -eq 0 ] && settings=("")
+if [ "${TESTS:-1}" = 1 ]; then
+  for t in cuda_kernels_test cuda_gemm_test cuda_attention_test cuda_backend_test; do
+    "$BIN/$t" --gtest_brief=1 >>"$OUT/tests.log" 2>&1 && echo "PASS $t" || echo "FAIL $t"
+  done
+  grep -E "FAILED|Failure|^\[ (logits|gemm|flash) " "$OUT/tests.log" | head -80
+fi
+[ "${MATVEC:-1}" = 1 ] && "$BIN/cuda_matvec" | tee "$OUT/matvec.md"
+B="$BIN/merlin bench --device cuda -p 512 -n 128 -r ${REPS:-2} --decode-batches 1,32"
+run_settings() {  # run_settings MODEL LABEL
+  for setting in "${settings[@]}"; do
+    echo "== $2 ${setting:-defaults}"
+    env $setting $B -m "$1" 2>>"$OUT/bench.log" | grep -E "pp512|tg128" | tee -a "$OUT/bench.md"
+  done
+}
+keep() { [ "${KEEP_MODELS:-0}" = 1 ]; }
+if [ -n "${BASE_TYPES-f16 q4_0}" ]; then
+  [ -f "$MODEL_DIR/base-f32.gguf" ] || "$BIN/merlin" init --preset base --type f32 -o "$MODEL_DIR/base-f32.gguf" >/dev/null 2>&1
+  for ty in ${BASE_TYPES-f16 q4_0}; do
+    f="$MODEL_DIR/base-$ty.gguf"
+    [ -f "$f" ] || "$BIN/merlin" quantize -q "$MODEL_DIR/base-f32.gguf" "$f" "$ty" >/dev/null 2>&1
+    run_settings "$f" "base $ty"
+    keep || rm -f "$f"
+  done
+  keep || rm -f "$MODEL_DIR/base-f32.gguf"
+fi
 if [ "${MACBOOK:-0}" = 1 ]; then
-  "$BIN/merlin" init --preset macbook --type bf16 -o "$MODEL_DIR/macbook-bf16.gguf" >/dev/null 2>&1
-  "$BIN/merlin" quantize -q "$MODEL_DIR/macbook-bf16.gguf" "$MODEL_DIR/macbook-q4_0.gguf" q4_0 >/dev/null 2>&1
-  rm -f "$MODEL_DIR/macbook-bf16.gguf"
-  echo "== macbook q4_0"
-  "$BIN/merlin" bench --device cuda -p 512 -n 128 -r 2 --decode-batches 1,32 -m "$MODEL_DIR/macbook-q4_0.gguf" \
-    2>/dev/null | tee -a "$OUT/bench.md"
+  [ -f "$MODEL_DIR/macbook-bf16.gguf" ] ||
+    "$BIN/merlin" init --preset macbook --type bf16 -o "$MODEL_DIR/macbook-bf16.gguf" >/dev/null 2>&1
+  for ty in ${MACBOOK_TYPES:-q4_0}; do
+    f="$MODEL_DIR/macbook-$ty.gguf"
+    [ "$ty" = bf16 ] || [ -f "$f" ] || "$BIN/merlin" quantize -q "$MODEL_DIR/macbook-bf16.gguf" "$f" "$ty" >/dev/null 2>&1
+    run_settings "$f" "macbook $ty"
+    [ "$ty" = bf16 ] || keep || rm -f "$f"
+  done
+  keep || rm -f "$MODEL_DIR/macbook-bf16.gguf"
 fi

@@ -234,6 +234,60 @@ TEST(CudaKernels, MatmulMatchesScalarCpu) {
   }
 }
 
+// Single-token products (matvec1.cu, unless MERLIN_CUDA_MV1=0) on decode-sized shapes: long rows (k split
+// over 8 warps, several rounds per warp), many tiles (several tile groups per CTA, each k-split), an odd
+// number of k-steps for the 4-bit formats; rows past n_out_rows stay untouched, two calls give the same bits.
+TEST(CudaKernels, SingleTokenProductMatchesScalarCpu) {
+  REQUIRE_GPU();
+  const auto& scalar = kernels::kernels_for(KernelLevel::Scalar);
+  struct Shape { int64_t rows, k; };
+  for (DType t : {DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::Q4_K, DType::TQ1_0, DType::TQ2_0}) {
+    const bool super = t == DType::Q4_K || t == DType::TQ1_0 || t == DType::TQ2_0;
+    const std::vector<Shape> shapes =
+        super ? std::vector<Shape>{{301, 16384}, {16383, 4096}, {9601, 2048}, {5003, 768}, {3, 256}}
+              : std::vector<Shape>{{301, 16384}, {16383, 4096}, {9601, 2080}, {5003, 800}, {3, 32}};
+    for (const Shape& s : shapes) {
+      SCOPED_TRACE(std::string(dtype_name(t)) + " rows " + std::to_string(s.rows) + " k " + std::to_string(s.k));
+      const std::vector<uint8_t> w = random_matrix(t, s.rows, s.k, (uint32_t)(s.rows * 3 + s.k));
+      const size_t row_bytes = dtype_row_bytes(t, (uint64_t)s.k);
+      const std::vector<float> x = gaussian((size_t)s.k, (uint32_t)s.k + 7);
+      const kernels::MatmulKernel* mk = scalar.matmul(t);
+      std::vector<float> want((size_t)s.rows);
+      const size_t xb = dtype_row_bytes(mk->act_type, (uint64_t)s.k);
+      std::vector<uint8_t> xq(xb);
+      mk->quantize_act(x.data(), 1, s.k, xq.data());
+      mk->rows(w.data(), row_bytes, 0, s.rows, xq.data(), xb, 1, s.k, want.data(), s.rows);
+      const cu::MatrixPart part{t, w.data(), s.rows, s.k, row_bytes};
+      cu::Matrix m = cu::upload_matrix(&part, 1, nullptr);
+      cu::ActBuf a = cu::act_alloc(m.act(), s.k, 1);
+      const int64_t n_out = std::max<int64_t>(1, s.rows - 5);  // the last rows must not be written
+      DevFloats dx(x), dy(std::vector<float>((size_t)s.rows, 1.0f)), dz(std::vector<float>((size_t)s.rows, 0.0f)),
+          dz2(std::vector<float>((size_t)s.rows, 0.0f));
+      cu::PrepArgs p;
+      p.d_x = dx.p;
+      p.ld = s.k;
+      cu::prep_act(p, 1, a, nullptr);
+      cu::matmul(m, a, 1, dy.p, s.rows, n_out, true, nullptr);
+      cu::matmul(m, a, 1, dz.p, s.rows, s.rows, false, nullptr);
+      cu::matmul(m, a, 1, dz2.p, s.rows, s.rows, false, nullptr);
+      cu::sync_device();
+      const std::vector<float> got = download(dy.p, (size_t)s.rows), z = download(dz.p, (size_t)s.rows),
+                               z2 = download(dz2.p, (size_t)s.rows);
+      const float tol = 2e-5f * max_abs(want) + 1e-6f;
+      float worst = 0;
+      for (int64_t r = 0; r < n_out; ++r) worst = std::max(worst, std::fabs(got[r] - 1.0f - want[r]));
+      EXPECT_LE(worst, tol);
+      for (int64_t r = n_out; r < s.rows; ++r) EXPECT_EQ(got[r], 1.0f) << "row " << r;
+      worst = 0;
+      for (int64_t r = 0; r < s.rows; ++r) worst = std::max(worst, std::fabs(z[r] - want[r]));
+      EXPECT_LE(worst, tol);
+      EXPECT_EQ(std::memcmp(z.data(), z2.data(), z.size() * 4), 0);
+      cu::act_free(a);
+      cu::free_matrix(m);
+    }
+  }
+}
+
 TEST(CudaKernels, StackedMatricesKeepTheirRows) {
   REQUIRE_GPU();
   const DType t = DType::Q4_0;

@@ -7,6 +7,15 @@
 // weights are rounded to f16 like llama.cpp's CPU path), pass 2 accumulates V with the same grouping and
 // the groups' partial sums meet in shared memory in a fixed order. The scores live in shared memory (4 bytes
 // per position of context), so prefill and decode are the same kernel.
+//
+// Decode batches leave most SMs idle on long contexts (one CTA per head and token walks every position), so
+// with an AttnScratch the positions are also split into chunks, one CTA each ("flash-decoding"). The split
+// count comes from n_ctx alone, so a captured graph's grid stays valid as positions grow; splits past a
+// token's last position exit at once, and a token whose context fits one chunk is done whole by split 0 with
+// the unsplit numerics. Otherwise each split leaves its max, sum of exponentials and unnormalised V sum in
+// the scratch and the last split to finish combines them in split order (deterministic).
+#include <algorithm>
+
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
 
@@ -105,40 +114,41 @@ __device__ __forceinline__ void load8(const void* base, int64_t off, float (&v)[
 // Positions handled per group and pass: their K (or V) chunks are all requested before the first is used.
 constexpr int kPosUnroll = 4;
 
+// Where a CTA's K/V rows lie (besides the KvArgs) and how its lanes share them: a group of G lanes works on
+// one position at a time, lane gi owning dims 8gi .. 8gi + 7.
+struct Rows {
+  int seq;
+  int64_t kv_dim, head_off;
+  int G, gi, group, n_groups;
+  bool active;
+};
+
+__device__ __forceinline__ Rows make_rows(int seq, int kvh, int n_kv_heads, int hd) {
+  Rows r;
+  r.seq = seq;
+  r.kv_dim = (int64_t)n_kv_heads * hd;
+  r.head_off = (int64_t)kvh * hd;
+  r.G = group_lanes(hd);
+  r.gi = threadIdx.x % r.G;
+  r.group = threadIdx.x / r.G;
+  r.n_groups = kAttnThreads / r.G;
+  r.active = r.gi < hd / 8;
+  return r;
+}
+
+// Pass 1: scores[p - p0] for positions p0 .. p1 - 1; returns this thread's running max. The trip count is the
+// same for every thread, so the group shuffles see full warps.
 template <bool F16>
-__global__ void __launch_bounds__(kAttnThreads) attention_kernel(const float* qkv, int64_t ld, const int32_t* d_pos,
-                                                                 const int32_t* d_seq, int n_heads, int n_kv_heads,
-                                                                 int hd, int n_ctx, KvArgs kv, float* out) {
-  extern __shared__ float sm[];
-  float* scores = sm;     // [n_ctx]
-  float* q = sm + n_ctx;  // [hd]
-  float* part = q + hd;   // [kAttnThreads][8]: each lane's partial V sums of its 8 dims
-  __shared__ float red[kAttnThreads / 32];
-  pdl_trigger();
-  pdl_wait();
-  const int h = blockIdx.x, t = blockIdx.y, pos = d_pos[t], seq = d_seq[t], n_pos = pos + 1;
-  const int kvh = h / (n_heads / n_kv_heads);
-  const int64_t kv_dim = (int64_t)n_kv_heads * hd, head_off = (int64_t)kvh * hd;
-  for (int d = threadIdx.x; d < hd; d += kAttnThreads) {
-    const float v = qkv[(int64_t)t * ld + h * hd + d];
-    q[d] = F16 ? round_to_half(v) : v;
-  }
-  __syncthreads();
-  // A group of G lanes works on one position at a time; lane gi owns dims 8gi .. 8gi + 7.
-  const int G = group_lanes(hd), gi = threadIdx.x % G, group = threadIdx.x / G, n_groups = kAttnThreads / G;
-  const bool active = gi < hd / 8;
-  float qr[8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) qr[j] = active ? q[8 * gi + j] : 0.f;
-  const float scale = 1.0f / sqrtf((float)hd);
+__device__ __forceinline__ float score_pass(const KvArgs& kv, const Rows& r, const float (&qr)[8], float scale, int p0, int p1,
+                                            float* scores) {
   float mx = -INFINITY;
-  // Pass 1: scores. The trip count is the same for every thread, so the group shuffles see full warps.
-  for (int base = 0; base < n_pos; base += n_groups * kPosUnroll) {
+  for (int base = p0; base < p1; base += r.n_groups * kPosUnroll) {
     float kr[kPosUnroll][8];
 #pragma unroll
     for (int u = 0; u < kPosUnroll; ++u) {
-      const int p = base + u * n_groups + group;
-      if (active && p < n_pos) load8<F16>(kv.d_k, kv_slot(kv, seq, p) * kv_dim + head_off + 8 * gi, kr[u]);
+      const int p = base + u * r.n_groups + r.group;
+      if (r.active && p < p1)
+        load8<F16>(kv.d_k, kv_slot(kv, r.seq, p) * r.kv_dim + r.head_off + 8 * r.gi, kr[u]);
       else
 #pragma unroll
         for (int j = 0; j < 8; ++j) kr[u][j] = 0.f;
@@ -148,44 +158,66 @@ __global__ void __launch_bounds__(kAttnThreads) attention_kernel(const float* qk
       float s = 0.f;
 #pragma unroll
       for (int j = 0; j < 8; ++j) s += qr[j] * kr[u][j];
-      for (int o = G / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-      const int p = base + u * n_groups + group;
-      if (p < n_pos) {
+      for (int o = r.G / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      const int p = base + u * r.n_groups + r.group;
+      if (p < p1) {
         s *= scale;
-        if (gi == 0) scores[p] = s;
+        if (r.gi == 0) scores[p - p0] = s;
         mx = fmaxf(mx, s);
       }
     }
   }
-  mx = block_reduce(mx, red, true);  // also orders the score writes before the reads below
+  return mx;
+}
+
+// The whole context's weights, normalised exactly as the CPU backend does (rounded to f16 with an F16 cache).
+template <bool F16>
+__device__ __forceinline__ void normalise(float* scores, int n, float mx, float* red) {
   float sum = 0.f;
-  for (int p = threadIdx.x; p < n_pos; p += kAttnThreads) {
+  for (int p = threadIdx.x; p < n; p += kAttnThreads) {
     const float e = expf(scores[p] - mx);
     scores[p] = e;
     sum += e;
   }
   sum = block_reduce(sum, red, false);
   const float inv = 1.0f / sum;
-  for (int p = threadIdx.x; p < n_pos; p += kAttnThreads) {
+  for (int p = threadIdx.x; p < n; p += kAttnThreads) {
     const float w = scores[p] * inv;
     scores[p] = F16 ? round_to_half(w) : w;
   }
   __syncthreads();
-  // Pass 2: V weighted by the scores, same grouping.
+}
+
+// One split's unnormalised weights exp(s - mx) (rounded like the normalised ones); returns their sum.
+template <bool F16>
+__device__ __forceinline__ float exp_weights(float* scores, int n, float mx, float* red) {
+  float sum = 0.f;
+  for (int p = threadIdx.x; p < n; p += kAttnThreads) {
+    const float e = expf(scores[p] - mx);
+    scores[p] = F16 ? round_to_half(e) : e;
+    sum += e;
+  }
+  return block_reduce(sum, red, false);  // its barriers also publish the weights to pass 2
+}
+
+// Pass 2: each lane's sums of weights[p - p0] * V over positions p0 .. p1 - 1 (same grouping as pass 1),
+// left in part[threadIdx.x][8] for group_total.
+template <bool F16>
+__device__ __forceinline__ void value_pass(const KvArgs& kv, const Rows& r, const float* weights, int p0, int p1, float* part) {
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  if (active) {
-    for (int base = 0; base < n_pos; base += n_groups * kPosUnroll) {
+  if (r.active) {
+    for (int base = p0; base < p1; base += r.n_groups * kPosUnroll) {
       float vr[kPosUnroll][8];
 #pragma unroll
       for (int u = 0; u < kPosUnroll; ++u) {
-        const int p = base + u * n_groups + group;
-        if (p < n_pos) load8<F16>(kv.d_v, kv_slot(kv, seq, p) * kv_dim + head_off + 8 * gi, vr[u]);
+        const int p = base + u * r.n_groups + r.group;
+        if (p < p1) load8<F16>(kv.d_v, kv_slot(kv, r.seq, p) * r.kv_dim + r.head_off + 8 * r.gi, vr[u]);
       }
 #pragma unroll
       for (int u = 0; u < kPosUnroll; ++u) {
-        const int p = base + u * n_groups + group;
-        if (p < n_pos) {
-          const float w = scores[p];
+        const int p = base + u * r.n_groups + r.group;
+        if (p < p1) {
+          const float w = weights[p - p0];
 #pragma unroll
           for (int j = 0; j < 8; ++j) acc[j] += w * vr[u][j];
         }
@@ -195,22 +227,142 @@ __global__ void __launch_bounds__(kAttnThreads) attention_kernel(const float* qk
 #pragma unroll
   for (int j = 0; j < 8; ++j) part[threadIdx.x * 8 + j] = acc[j];
   __syncthreads();
+}
+
+// Dim d of the V sum: the groups' partial sums added in a fixed order (deterministic).
+__device__ __forceinline__ float group_total(const float* part, const Rows& r, int d) {
+  float s = 0.f;
+  for (int g = 0; g < r.n_groups; ++g) s += part[(g * r.G + d / 8) * 8 + d % 8];
+  return s;
+}
+
+// Split-K bookkeeping (AttnScratch's device side); unused by the unsplit instance.
+struct SplitArgs {
+  float* partial;  // [token][head][gridDim.z][hd + 2]
+  int* counter;    // [token][head]
+  int chunk;
+};
+
+// The (token t, head h) pair's partials, split by split.
+__device__ __forceinline__ float* split_partials(const SplitArgs& sp, int t, int h, int n_heads, int hd) {
+  return sp.partial + ((int64_t)t * n_heads + h) * gridDim.z * (hd + 2);
+}
+
+// The threadfence-reduction handshake: every thread fences its partial stores, and after the barrier thread 0
+// fences again (cumulative over what the barrier made it observe) before counting the arrival, so the CTA
+// that brings the count to n_act sees every partial once its own fence after the atomic has run. That CTA
+// resets the counter for the next launch (later kernels see it after their pdl_wait).
+__device__ __forceinline__ bool arrive_last(int* counter, int n_act) {
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const int prev = atomicAdd(counter, 1);
+    __threadfence();
+    last = prev == n_act - 1;
+    if (last) atomicExch(counter, 0);
+  }
+  __syncthreads();
+  return last;
+}
+
+// out = sum_s e^(m_s - M) O_s / sum_s e^(m_s - M) l_s, summed in split order so the result does not depend on
+// which CTA finished last. Volatile loads: the partials were written by other CTAs, so bypass L1.
+__device__ __forceinline__ void combine_splits(const float* partials, int n_act, int hd, float* o) {
+  const volatile float* pv = partials;
+  const int stride = hd + 2;
   for (int d = threadIdx.x; d < hd; d += kAttnThreads) {
-    float s = 0.f;
-    for (int g = 0; g < n_groups; ++g) s += part[(g * G + d / 8) * 8 + d % 8];  // fixed order: deterministic
-    out[(int64_t)t * n_heads * hd + h * hd + d] = s;
+    float m = -INFINITY;
+    for (int s = 0; s < n_act; ++s) m = fmaxf(m, pv[s * stride]);
+    float num = 0.f, den = 0.f;
+    for (int s = 0; s < n_act; ++s) {
+      const float c = expf(pv[s * stride] - m);
+      num += c * pv[s * stride + 2 + d];
+      den += c * pv[s * stride + 1];
+    }
+    o[d] = num / den;
   }
 }
 
-size_t attention_smem(int n_ctx, int hd) { return ((size_t)n_ctx + hd + 8 * kAttnThreads) * sizeof(float); }
+// Grid (head, token, split). A context of at most sp.chunk positions (or an unsplit launch) is done whole by
+// split 0, exactly as without splits; a longer one is cut into chunks of sp.chunk positions, one per split,
+// and splits starting past its end exit. n_scores: the shared score buffer's length. The unsplit launch has
+// its own instance (Split = false) so that the split bookkeeping costs it no registers.
+template <bool F16, bool Split>
+__global__ void __launch_bounds__(kAttnThreads) attention_kernel(const float* qkv, int64_t ld, const int32_t* d_pos,
+                                                                 const int32_t* d_seq, int n_heads, int n_kv_heads,
+                                                                 int hd, int n_scores, KvArgs kv, float* out,
+                                                                 SplitArgs sp) {
+  extern __shared__ float sm[];
+  float* scores = sm;        // [n_scores]
+  float* q = sm + n_scores;  // [hd]
+  float* part = q + hd;      // [kAttnThreads][8]: each lane's partial V sums of its 8 dims
+  __shared__ float red[kAttnThreads / 32];
+  pdl_trigger();
+  pdl_wait();
+  const int h = blockIdx.x, t = blockIdx.y, split = blockIdx.z, pos = d_pos[t], seq = d_seq[t], n_pos = pos + 1;
+  // Splits with work on this token; one: the whole context in split 0, the unsplit numerics.
+  const int n_act = Split ? (n_pos + sp.chunk - 1) / sp.chunk : 1;
+  const bool whole = n_act == 1;
+  const int p0 = whole ? 0 : split * sp.chunk;
+  if (whole ? split != 0 : p0 >= n_pos) return;
+  const int p1 = whole ? n_pos : min(p0 + sp.chunk, n_pos);
+  for (int d = threadIdx.x; d < hd; d += kAttnThreads) {
+    const float v = qkv[(int64_t)t * ld + h * hd + d];
+    q[d] = F16 ? round_to_half(v) : v;
+  }
+  __syncthreads();
+  const Rows r = make_rows(seq, h / (n_heads / n_kv_heads), n_kv_heads, hd);
+  float qr[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) qr[j] = r.active ? q[8 * r.gi + j] : 0.f;
+  float mx = score_pass<F16>(kv, r, qr, 1.0f / sqrtf((float)hd), p0, p1, scores);
+  mx = block_reduce(mx, red, true);  // also orders the score writes before the reads below
+  // A split's partial: [max, sum of exp, V sum of hd]. Max and sum are stored before pass 2 so that they do
+  // not hold registers through it.
+  if (whole) {
+    normalise<F16>(scores, n_pos, mx, red);
+  } else {
+    const float l = exp_weights<F16>(scores, p1 - p0, mx, red);
+    float* mine = split_partials(sp, t, h, n_heads, hd) + (int64_t)split * (hd + 2);
+    if (threadIdx.x == 0) {
+      mine[0] = mx;
+      mine[1] = l;
+    }
+  }
+  value_pass<F16>(kv, r, scores, p0, p1, part);
+  float* o = out + (int64_t)t * n_heads * hd + h * hd;
+  if (whole) {
+    for (int d = threadIdx.x; d < hd; d += kAttnThreads) o[d] = group_total(part, r, d);
+    return;
+  }
+  float* partials = split_partials(sp, t, h, n_heads, hd);
+  float* mine = partials + (int64_t)split * (hd + 2);
+  for (int d = threadIdx.x; d < hd; d += kAttnThreads) mine[2 + d] = group_total(part, r, d);
+  if (arrive_last(sp.counter + (int64_t)t * n_heads + h, n_act)) combine_splits(partials, n_act, hd, o);
+}
+
+size_t attention_smem(int n_scores, int hd) { return ((size_t)n_scores + hd + 8 * kAttnThreads) * sizeof(float); }
+
+// Split-K chunk length for a context of n_ctx positions: about an eighth of it, rounded up to a multiple of 64
+// (whole pass iterations for head sizes of 128 and up), but at least 256 positions, so that contexts of up to
+// 256 are never split and a split's fixed costs (q load, reductions, partial write) stay small next to its
+// K/V reads.
+constexpr int kSplitsTarget = 8, kMinChunk = 256;
+int split_chunk(int n_ctx) {
+  const int per = (n_ctx + kSplitsTarget - 1) / kSplitsTarget;
+  return std::max(kMinChunk, (per + 63) / 64 * 64);
+}
 
 }  // namespace
 
 void attention_prepare(int n_ctx) {
   const int bytes = (int)attention_smem(n_ctx, 256);
   MERLIN_CHECK(bytes <= 227 * 1024, "context of ", n_ctx, " positions is too long for the attention kernel");
-  MERLIN_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  MERLIN_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  for (auto kernel : {attention_kernel<true, false>, attention_kernel<false, false>, attention_kernel<true, true>,
+                      attention_kernel<false, true>})
+    MERLIN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
 void rope_kv(float* d_qkv, int64_t ld, int64_t k_off, int64_t v_off, int n, const int32_t* d_pos, const int32_t* d_seq,
@@ -222,20 +374,48 @@ void rope_kv(float* d_qkv, int64_t ld, int64_t k_off, int64_t v_off, int n, cons
   check_launch("rope_kv");
 }
 
+AttnScratch attention_scratch_alloc(int max_tokens, int n_heads, int head_dim, int n_ctx) {
+  AttnScratch s;
+  s.chunk = split_chunk(n_ctx);
+  s.n_split = (n_ctx + s.chunk - 1) / s.chunk;
+  if (s.n_split <= 1 || max_tokens <= 0) return AttnScratch{};
+  s.max_tokens = max_tokens;
+  s.n_heads = n_heads;
+  s.head_dim = head_dim;
+  s.n_ctx = n_ctx;
+  const size_t pairs = (size_t)max_tokens * n_heads;
+  s.partial = static_cast<float*>(dev_alloc(pairs * s.n_split * (head_dim + 2) * sizeof(float)));
+  s.counter = static_cast<int*>(dev_alloc(pairs * sizeof(int)));  // zero-filled
+  return s;
+}
+
+void attention_scratch_free(AttnScratch& s) {
+  dev_free(s.partial);
+  dev_free(s.counter);
+  s = AttnScratch{};
+}
+
 void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32_t* d_pos, const int32_t* d_seq,
-               int n_heads, int n_kv_heads, int head_dim, int n_ctx, const KvArgs& kv, float* d_out, Stream stream) {
+               int n_heads, int n_kv_heads, int head_dim, int n_ctx, const KvArgs& kv, float* d_out, Stream stream,
+               const AttnScratch* scratch) {
   if (n <= 0) return;
   (void)k_off;
   MERLIN_CHECK(head_dim % 8 == 0 && head_dim <= 256, "the CUDA attention kernel needs a head size that is a multiple "
                "of 8 and at most 256 (this model's is ", head_dim, ")");
-  const dim3 grid((unsigned)n_heads, (unsigned)n);
-  const size_t smem = attention_smem(n_ctx, head_dim);
-  if (kv.f16)
-    launch_pdl(attention_kernel<true>, grid, kAttnThreads, smem, stream, d_qkv, ld, d_pos, d_seq, n_heads, n_kv_heads,
-               head_dim, n_ctx, kv, d_out);
-  else
-    launch_pdl(attention_kernel<false>, grid, kAttnThreads, smem, stream, d_qkv, ld, d_pos, d_seq, n_heads,
-               n_kv_heads, head_dim, n_ctx, kv, d_out);
+  // Larger batches already give every SM work without splitting.
+  const bool split = scratch && scratch->n_split > 1 && n <= scratch->max_tokens;
+  if (split)
+    MERLIN_CHECK(scratch->n_heads == n_heads && scratch->head_dim == head_dim && scratch->n_ctx == n_ctx,
+                 "attention scratch sized for another shape");
+  const SplitArgs sp = split ? SplitArgs{scratch->partial, scratch->counter, scratch->chunk}
+                             : SplitArgs{nullptr, nullptr, n_ctx};
+  const int n_scores = split ? scratch->chunk : n_ctx;
+  const dim3 grid((unsigned)n_heads, (unsigned)n, split ? (unsigned)scratch->n_split : 1u);
+  const size_t smem = attention_smem(n_scores, head_dim);
+  auto kernel = kv.f16 ? (split ? attention_kernel<true, true> : attention_kernel<true, false>)
+                       : (split ? attention_kernel<false, true> : attention_kernel<false, false>);
+  launch_pdl(kernel, grid, kAttnThreads, smem, stream, d_qkv, ld, d_pos, d_seq, n_heads, n_kv_heads, head_dim, n_scores,
+             kv, d_out, sp);
   check_launch("attention");
 }
 

@@ -24,6 +24,8 @@ std::string device_name();
 double copy_bandwidth_gbps();
 // Bytes of device memory in use on the current device (total - free), CUDA context included.
 uint64_t device_memory_in_use();
+// True when cuBLAS could be loaded (dlopen of libcublas.so.13), so prefill-sized steps use it (gemm.cu).
+bool gemm_available(std::string* why = nullptr);
 
 }  // namespace cuda
 }  // namespace merlin

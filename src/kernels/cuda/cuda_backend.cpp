@@ -22,6 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -112,7 +113,8 @@ class CudaBackend final : public Backend {
   int run_step(const Batch& batch, Output out);
   void enqueue(int n, int n_out, Output out);
   ActBuf& act(ActKind kind, int64_t k);
-  void prepare_inputs(const cuda::PrepArgs& p, const Linear& l, int n);
+  bool use_gemm(const Linear& l, int n) const;
+  void prepare_inputs(const cuda::PrepArgs& p, const Linear& l, int n, bool gemm);
   void run_linear(const Linear& l, const cuda::PrepArgs& p, int n, float* y, int64_t ldy, int64_t n_out, bool acc);
   float* upload_floats(const std::vector<float>& v);
 
@@ -122,6 +124,17 @@ class CudaBackend final : public Backend {
   int n_ctx_, n_seq_, max_batch_, block_size_, n_blocks_, max_blocks_;
   bool graphs_ = true;
   bool fuse_prep_ = false;
+  // Steps of at least gemm_min_ tokens run their products through cuBLAS (gemm.cu); 0: never.
+  int gemm_min_ = 0;
+  // Eager steps of at least flash_min_ tokens use the tiled attention kernel (flash_attention.cu); 0: never.
+  int flash_min_ = 0;
+  bool flash_now_ = false;  // this step's attention runs tiled, over n_tiles_ tiles from h_tiles_
+  int n_tiles_ = 0;
+  cuda::AttnTile* h_tiles_ = nullptr;
+  cuda::AttnTile* d_tiles_ = nullptr;
+  cuda::AttnScratch attn_scratch_;  // split-K attention for decode-sized steps on long contexts
+  bool split_attention_ = true;     // MERLIN_CUDA_SPLITK=0: one CTA per (head, token) over the whole context
+  std::unique_ptr<cuda::GemmRunner> gemm_;
   size_t kv_elem_;
   std::vector<Layer> layers_;
   Linear head_;
@@ -159,6 +172,17 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   n_blocks_ = opts.n_kv_blocks > 0 ? opts.n_kv_blocks : n_seq_ * max_blocks_;
   if (const char* g = std::getenv("MERLIN_CUDA_GRAPHS"); g && std::string(g) == "0") graphs_ = false;
   if (const char* f = std::getenv("MERLIN_CUDA_FUSE"); f && std::string(f) == "1") fuse_prep_ = true;
+  if (const char* k = std::getenv("MERLIN_CUDA_SPLITK"); k && std::string(k) == "0") split_attention_ = false;
+  // Prefill products: from 64 tokens on, dequantizing to halves and cuBLAS beat the batched tensor-core kernel,
+  // which reads each weight once per 32 tokens (docs/GPU.md). MERLIN_CUDA_GEMM_MIN=0 keeps every step on it.
+  gemm_min_ = 64;
+  if (const char* g = std::getenv("MERLIN_CUDA_GEMM_MIN")) gemm_min_ = std::atoi(g);
+  if (gemm_min_ > 0 && gemm_min_ <= max_batch_ && cuda::gemm_available()) gemm_ = std::make_unique<cuda::GemmRunner>();
+  else gemm_min_ = 0;
+  // Tiled attention for eager steps only (graph-captured decode steps keep the per-token kernel).
+  flash_min_ = 64;
+  if (const char* f = std::getenv("MERLIN_CUDA_FLASH_MIN")) flash_min_ = std::atoi(f);
+  if (flash_min_ > 0) flash_min_ = std::max(flash_min_, kGraphMaxTokens + 1);
   MERLIN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
 
   // Block tables: identity ranges unless the caller manages blocks (n_kv_blocks > 0: all unmapped).
@@ -207,6 +231,8 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   MERLIN_CUDA_CHECK(cudaMallocHost(&h_in_, 4 * B * sizeof(int32_t)));
   MERLIN_CUDA_CHECK(cudaMallocHost(&h_logits_, B * c_.vocab_size * sizeof(float)));
   MERLIN_CUDA_CHECK(cudaMallocHost(&h_ids_, B * sizeof(int32_t)));
+  MERLIN_CUDA_CHECK(cudaMallocHost(&h_tiles_, B * sizeof(cuda::AttnTile)));
+  d_tiles_ = static_cast<cuda::AttnTile*>(cuda::dev_alloc(B * sizeof(cuda::AttnTile)));
   d_in_ = dev_array<int32_t>(4 * B);
   d_ids_ = dev_array<int32_t>(B);
   x_ = dev_array<float>(B * c_.dim);
@@ -215,16 +241,24 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   gu_ = dev_array<float>(B * layers_[0].gate_up.rows);
   logits_ = dev_array<float>(B * c_.vocab_size);
   // Every activation buffer exists before the first step: nothing may be allocated while a graph is captured.
+  auto make_acts = [&](const Linear& l) {
+    for (const Matrix& m : l.mats) {
+      act(m.act(), m.k);
+      if (gemm_ && cuda::gemm_supports(m)) act(cuda::gemm_act_kind(m), m.k);
+    }
+  };
   for (const Layer& L : layers_)
-    for (const Linear* l : {&L.qkv, &L.wo, &L.gate_up, &L.down})
-      for (const Matrix& m : l->mats) act(m.act(), m.k);
-  for (const Matrix& m : head_.mats) act(m.act(), m.k);
+    for (const Linear* l : {&L.qkv, &L.wo, &L.gate_up, &L.down}) make_acts(*l);
+  make_acts(head_);
   cuda::attention_prepare(n_ctx_);
+  attn_scratch_ = cuda::attention_scratch_alloc(std::min(max_batch_, kGraphMaxTokens), (int)c_.n_heads,
+                                                (int)c_.head_dim(), n_ctx_);
   cuda::sync_device();
 }
 
 CudaBackend::~CudaBackend() {
   for (auto& [shape, g] : graphs_by_shape_) cudaGraphExecDestroy(g);
+  gemm_.reset();
   auto free_linear = [](Linear& l) {
     for (Matrix& m : l.mats) cuda::free_matrix(m);
   };
@@ -246,6 +280,9 @@ CudaBackend::~CudaBackend() {
   cudaFreeHost(h_in_);
   cudaFreeHost(h_logits_);
   cudaFreeHost(h_ids_);
+  cudaFreeHost(h_tiles_);
+  cuda::dev_free(d_tiles_);
+  cuda::attention_scratch_free(attn_scratch_);
   cudaStreamDestroy(stream_);
 }
 
@@ -295,13 +332,21 @@ void CudaBackend::set_block_table(int seq, std::span<const int32_t> blocks) {
   cuda::copy_to_device(table_ + (size_t)seq * max_blocks_, row, (size_t)max_blocks_ * sizeof(int32_t));
 }
 
-void CudaBackend::prepare_inputs(const cuda::PrepArgs& p, const Linear& l, int n) {
+bool CudaBackend::use_gemm(const Linear& l, int n) const {
+  if (!gemm_ || n < gemm_min_) return false;
+  for (const Matrix& m : l.mats)
+    if (!cuda::gemm_supports(m)) return false;
+  return true;
+}
+
+void CudaBackend::prepare_inputs(const cuda::PrepArgs& p, const Linear& l, int n, bool gemm) {
   ActKind done[4];
   int n_done = 0;
   for (const Matrix& m : l.mats) {
-    if (std::find(done, done + n_done, m.act()) != done + n_done) continue;
-    cuda::prep_act(p, n, act(m.act(), m.k), stream_);
-    done[n_done++] = m.act();
+    const ActKind kind = gemm ? cuda::gemm_act_kind(m) : m.act();
+    if (std::find(done, done + n_done, kind) != done + n_done) continue;
+    cuda::prep_act(p, n, act(kind, m.k), stream_);
+    done[n_done++] = kind;
   }
 }
 
@@ -310,9 +355,18 @@ void CudaBackend::run_linear(const Linear& l, const cuda::PrepArgs& p, int n, fl
   // With MERLIN_CUDA_FUSE=1, decode-sized steps let each product prepare its own input (one launch instead
   // of two). Off by default: on the H200 the separate preparation kernel, overlapped by programmatic
   // dependent launch, was faster than every CTA repeating the row's preparation (docs/GPU.md).
+  if (use_gemm(l, n)) {
+    prepare_inputs(p, l, n, true);
+    for (size_t i = 0; i < l.mats.size(); ++i) {
+      const Matrix& m = l.mats[i];
+      const int64_t rows = std::min(n_out - l.offset[i], m.rows);
+      gemm_->run(m, act(cuda::gemm_act_kind(m), m.k), n, y + l.offset[i], ldy, rows, acc, stream_);
+    }
+    return;
+  }
   bool fused = fuse_prep_;
   for (const Matrix& m : l.mats) fused = fused && cuda::prep_fuses(m, n);
-  if (!fused) prepare_inputs(p, l, n);
+  if (!fused) prepare_inputs(p, l, n, false);
   for (size_t i = 0; i < l.mats.size(); ++i) {
     const Matrix& m = l.mats[i];
     ActBuf& x = act(m.act(), m.k);
@@ -327,6 +381,9 @@ void CudaBackend::run_linear(const Linear& l, const cuda::PrepArgs& p, int n, fl
 void CudaBackend::enqueue(int n, int n_out, Output out) {
   const size_t B = (size_t)max_batch_;
   MERLIN_CUDA_CHECK(cudaMemcpyAsync(d_in_, h_in_, 4 * B * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  if (flash_now_)
+    MERLIN_CUDA_CHECK(cudaMemcpyAsync(d_tiles_, h_tiles_, (size_t)n_tiles_ * sizeof(cuda::AttnTile),
+                                      cudaMemcpyHostToDevice, stream_));
   const int32_t *tokens = d_in_, *pos = d_in_ + B, *seq = d_in_ + 2 * B, *rows = d_in_ + 3 * B;
   const Weight& e = m_.token_embd();
   cuda::embed(e.type, embd_, e.row_bytes, c_.dim, tokens, n, x_, stream_);
@@ -341,7 +398,11 @@ void CudaBackend::enqueue(int n, int n_out, Output out) {
     cuda::KvArgs kv{L.k, L.v, kv_elem_ == 2, block_size_, max_blocks_, table_};
     cuda::rope_kv(qkv_, qkv_ld, k_off, v_off, n, pos, seq, cos_sin_, (int)c_.n_heads, (int)c_.n_kv_heads, hd,
                   (int)c_.rot_dims(), kv, stream_);
-    cuda::attention(qkv_, qkv_ld, k_off, n, pos, seq, (int)c_.n_heads, (int)c_.n_kv_heads, hd, n_ctx_, kv, att_, stream_);
+    if (flash_now_)
+      cuda::flash_attention(qkv_, qkv_ld, d_tiles_, n_tiles_, (int)c_.n_heads, (int)c_.n_kv_heads, hd, kv, att_, stream_);
+    else
+      cuda::attention(qkv_, qkv_ld, k_off, n, pos, seq, (int)c_.n_heads, (int)c_.n_kv_heads, hd, n_ctx_, kv, att_,
+                      stream_, split_attention_ ? &attn_scratch_ : nullptr);
     cuda::PrepArgs plain{cuda::Prep::Plain, att_, q_dim, nullptr, 0, 0, nullptr};
     run_linear(L.wo, plain, n, x_, c_.dim, c_.dim, true);
     cuda::PrepArgs norm2{cuda::Prep::RmsNorm, x_, c_.dim, L.ffn_norm, c_.norm_eps, 0, nullptr};
@@ -386,7 +447,13 @@ int CudaBackend::run_step(const Batch& batch, Output out) {
     h_in_[2 * B + i] = batch.seq[i];
     if (batch.want_logits[i]) h_in_[3 * B + n_out++] = i;
   }
-  if (graphs_ && n <= kGraphMaxTokens) {
+  const bool graph_step = graphs_ && n <= kGraphMaxTokens;
+  cuda::KvArgs kv_probe;
+  kv_probe.f16 = kv_elem_ == 2;
+  flash_now_ = !graph_step && flash_min_ > 0 && n >= flash_min_ &&
+               cuda::flash_attention_supported((int)c_.head_dim(), kv_probe);
+  if (flash_now_) n_tiles_ = cuda::make_attention_tiles(batch.pos.data(), batch.seq.data(), n, h_tiles_);
+  if (graph_step) {
     const auto shape = std::make_tuple(n, n_out, (int)out);
     auto it = graphs_by_shape_.find(shape);
     if (it == graphs_by_shape_.end()) {

@@ -12,10 +12,14 @@
 // activations split into hi + lo halves (two products) so the result keeps about 16 significant bits of the
 // f32 activation instead of 8 or 11.
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 
 #include "kernels/cuda/act_impl.cuh"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/fragment.cuh"
 #include "kernels/cuda/matrix_layout.cuh"
+#include "kernels/cuda/matvec1.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/raw_formats.cuh"
 
@@ -58,94 +62,6 @@ struct XView {
   const uint16_t* lo;
   int tok0;
 };
-
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p));
-  return r;
-}
-
-__device__ __forceinline__ void mma_s8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm(
-      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-template <bool Bf16>
-__device__ __forceinline__ void mma_half(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (Bf16)
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  else
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// MXFP4 codes (one per byte) to their int8 values {0, 1, 2, 3, 4, 6, 8, 12} with the sign in bit 3: two
-// table lookups (positive and negative table, selected by the code's low 3 bits) and a byte mask made by
-// prmt's sign-replicating mode from bit 3 moved to each byte's top bit.
-__device__ __forceinline__ uint32_t mxfp4_values(uint32_t c) {
-  const uint32_t mag = c & 0x07070707u;
-  uint32_t sel = mag | (mag >> 4);
-  sel = (sel & 0xFFu) | ((sel >> 8) & 0xFF00u);
-  const uint32_t pos = __byte_perm(0x03020100u, 0x0C080604u, sel);
-  const uint32_t neg = __byte_perm(0xFDFEFF00u, 0xF4F8FAFCu, sel);
-  uint32_t mask;  // prmt with selector bit 3 set replicates the selected byte's sign bit (PTX ISA, prmt)
-  asm("prmt.b32 %0, %1, 0, 0xBA98;" : "=r"(mask) : "r"(c << 4));
-  return (pos & ~mask) | (neg & mask);
-}
-
-__device__ __forceinline__ uint32_t byte_of(const uint4& v, int i) {
-  const uint32_t w = i < 4 ? v.x : i < 8 ? v.y : i < 12 ? v.z : v.w;
-  return (w >> ((i & 3) * 8)) & 0xFFu;
-}
-
-// Q4_K sub-block j's scale d * sc and min dmin * m from a 16-byte block header.
-__device__ __forceinline__ float2 q4k_scale_min(const uint4& h, int j) {
-  int sc, m;
-  if (j < 4) {
-    sc = byte_of(h, 4 + j) & 63;
-    m = byte_of(h, 8 + j) & 63;
-  } else {
-    sc = (byte_of(h, 8 + j) & 0xF) | ((byte_of(h, j) >> 6) << 4);
-    m = (byte_of(h, 8 + j) >> 4) | ((byte_of(h, 4 + j) >> 6) << 4);
-  }
-  const float d = __half2float(__ushort_as_half((uint16_t)(h.x & 0xFFFF)));
-  const float dmin = __half2float(__ushort_as_half((uint16_t)(h.x >> 16)));
-  return make_float2(d * (float)sc, dmin * (float)m);
-}
-
-// The int8 operand of k-step j of a chunk, after the format's code-to-value mapping.
-template <int F>
-__device__ __forceinline__ void int8_operand(const uint4& w, int j, uint32_t (&a)[4]) {
-  if constexpr (F == kQ8_0) {
-    a[0] = w.x; a[1] = w.y; a[2] = w.z; a[3] = w.w;
-  } else if constexpr (F == kTQ2) {
-    const uint32_t x = j == 0 ? w.x : j == 1 ? w.y : j == 2 ? w.z : w.w;
-#pragma unroll
-    for (int r = 0; r < 4; ++r) a[r] = __vsub4((x >> (2 * r)) & 0x03030303u, 0x01010101u);
-  } else {
-    const uint32_t w0 = j == 0 ? w.x : w.z, w1 = j == 0 ? w.y : w.w;
-    a[0] = w0 & 0x0F0F0F0Fu;
-    a[1] = w1 & 0x0F0F0F0Fu;
-    a[2] = (w0 >> 4) & 0x0F0F0F0Fu;
-    a[3] = (w1 >> 4) & 0x0F0F0F0Fu;
-    if constexpr (F == kQ4_0) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) a[r] = __vsub4(a[r], 0x08080808u);
-    } else if constexpr (F == kMXFP4) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) a[r] = mxfp4_values(a[r]);
-    }
-  }
-}
 
 // ---------------------------------------------------------------------------------------------------------
 // One "round" of a warp: kRound consecutive 16-byte chunks per lane plus the raw block scales their k-steps
@@ -433,8 +349,12 @@ __device__ __forceinline__ void run_item(const MmArgs& p, const XView& x, const 
 // requested before pdl_wait (weights do not depend on the previous kernel), so under programmatic
 // dependent launch the weight stream starts while the producer of x is still finishing. Activations come
 // from shared memory when they fit.
-template <int F, int NT>
-__global__ void __launch_bounds__(kWarps * 32, NT == 4 ? 1 : 2) mm_kernel(MmArgs p) {
+// MinBlocks = 2 caps the kernel at 128 registers so two CTAs share an SM. The 32-token kernel (NT = 4)
+// needs 136-182 registers uncapped and is built both ways: capped by default (batch-32 decode on the H200:
+// base f16 24.4k -> 37.0k t/s, q4_0 37.0k -> 42.0k, macbook q4_0 2.89k -> 3.29k; docs/GPU.md), uncapped
+// with MERLIN_CUDA_NT4_CAP=0 for A/B timing.
+template <int F, int NT, int MinBlocks = NT == 4 ? 1 : 2>
+__global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float red[kWarps][NT * 4][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -480,20 +400,34 @@ __global__ void mm_f32_kernel(MmArgs p) {
 // Shared memory a CTA may use for staged activations: two CTAs per SM below NT = 4, one at NT = 4.
 constexpr size_t kStageMax[3] = {64 << 10, 64 << 10, 160 << 10};
 int g_sm_count = 0;
-// Resident CTAs per SM of mm_kernel<F, NT> without / with staged activations (sizes the persistent grid).
-int g_resident[8][3][2] = {};
+// Resident CTAs per SM of mm_kernel<F, NT> without / with staged activations (sizes the persistent grid);
+// index 3 is the register-capped 32-token variant.
+int g_resident[8][4][2] = {};
+
+bool nt4_capped() {
+  static const bool on = [] {
+    const char* v = std::getenv("MERLIN_CUDA_NT4_CAP");
+    return !(v && std::string(v) == "0");
+  }();
+  return on;
+}
 
 constexpr int nt_index(int nt) { return nt == 1 ? 0 : nt == 2 ? 1 : 2; }
 
 template <int F, int NT>
 void launch_nt(MmArgs p, Stream stream, int64_t tiles) {
   constexpr int ni = nt_index(NT);
+  const bool capped = NT == 4 && nt4_capped();
+  const size_t stage_max = capped ? kStageMax[0] : kStageMax[ni];
   const size_t staged = staged_bytes(F, p.k, std::min(8 * NT, p.n));
-  p.stage_x = staged <= kStageMax[ni] ? 1 : 0;
+  p.stage_x = staged <= stage_max ? 1 : 0;
   MERLIN_CHECK(p.stage_x || !p.fuse_prep, "matmul: a fused preparation needs the activations in shared memory");
-  const int64_t resident = (int64_t)g_sm_count * std::max(1, g_resident[F][ni][p.stage_x]);
+  const int64_t resident = (int64_t)g_sm_count * std::max(1, g_resident[F][capped ? 3 : ni][p.stage_x]);
   const dim3 grid((unsigned)std::min(tiles, resident), (unsigned)((p.n + 8 * NT - 1) / (8 * NT)));
-  launch_pdl(mm_kernel<F, NT>, grid, kWarps * 32, p.stage_x ? staged : 0, stream, p);
+  if (capped)
+    launch_pdl(mm_kernel<F, NT, 2>, grid, kWarps * 32, p.stage_x ? staged : 0, stream, p);
+  else
+    launch_pdl(mm_kernel<F, NT>, grid, kWarps * 32, p.stage_x ? staged : 0, stream, p);
 }
 
 template <int F>
@@ -518,6 +452,12 @@ void allow_staging() {
   prepare_kernel<F, 1>();
   prepare_kernel<F, 2>();
   prepare_kernel<F, 4>();
+  // The capped 32-token variant: two CTAs per SM, so 64 KiB of staged activations each at most.
+  MERLIN_CUDA_CHECK(
+      cudaFuncSetAttribute(mm_kernel<F, 4, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kStageMax[0]));
+  for (int staged = 0; staged < 2; ++staged)
+    MERLIN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&g_resident[F][3][staged], mm_kernel<F, 4, 2>,
+                                                                     kWarps * 32, staged ? kStageMax[0] : 0));
 }
 
 }  // namespace
@@ -536,6 +476,7 @@ void init_matmul_kernels() {
     allow_staging<kTQ2>();
     allow_staging<kF16>();
     allow_staging<kBF16>();
+    init_matvec1_kernels();
     return true;
   }();
   (void)done;
@@ -584,13 +525,15 @@ void matmul(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, in
             Stream stream) {
   if (n <= 0) return;
   MERLIN_CHECK(x.kind == w.act() && x.k == w.k && n <= x.n_cap, "matmul: activation buffer does not fit the matrix");
+  if (n == 1 && matvec1(w, x, d_y, n_out_rows, accumulate, stream)) return;
   launch_product(w.fmt, product_args(w, x, n, d_y, ldy, n_out_rows, accumulate), stream);
 }
 
 void matmul_prep(const Matrix& w, const PrepArgs& prep, ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out_rows,
                  bool accumulate, Stream stream) {
   if (n <= 0) return;
-  if (!prep_fuses(w, n)) {
+  // One token goes to the dedicated single-token kernel (matvec1.h), which has no fused variant.
+  if (!prep_fuses(w, n) || n == 1) {
     prep_act(prep, n, x, stream);
     matmul(w, x, n, d_y, ldy, n_out_rows, accumulate, stream);
     return;

@@ -100,6 +100,32 @@ bool prep_fuses(const Matrix& w, int n);
 void matmul_prep(const Matrix& w, const PrepArgs& prep, ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out_rows,
                  bool accumulate, Stream stream);
 
+// ---- prefill-sized products through cuBLAS (gemm.cu) ----
+// For steps of many tokens the weights are expanded chunk by chunk into row-major f16 (bf16 for BF16
+// weights) and multiplied by cuBLAS with f32 accumulation; x is read from the `hi` plane of an ActBuf of
+// gemm_act_kind(w), i.e. rounded to that half type (what llama.cpp's and PyTorch's half paths do). cuBLAS
+// is loaded with dlopen on first use; gemm_available (cuda_api.h) says whether it could be.
+bool gemm_supports(const Matrix& w);  // every format but F32
+ActKind gemm_act_kind(const Matrix& w);
+class GemmRunner {
+ public:
+  // chunk_bytes: most scratch bytes one expanded chunk of rows may take (0: MERLIN_CUDA_GEMM_CHUNK_MB, else 256 MiB).
+  explicit GemmRunner(size_t chunk_bytes = 0) : chunk_bytes_(chunk_bytes) {}
+  GemmRunner(const GemmRunner&) = delete;
+  GemmRunner& operator=(const GemmRunner&) = delete;
+  ~GemmRunner();
+  // Same contract as matmul(); x is an ActBuf of gemm_act_kind(w). Never call it inside a graph capture
+  // (the first call allocates its scratch and the cuBLAS handle).
+  void run(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out_rows, bool accumulate,
+           Stream stream);
+
+ private:
+  size_t chunk_bytes_ = 0;
+  void* handle_ = nullptr;
+  uint16_t* scratch_ = nullptr;
+  size_t scratch_bytes_ = 0;
+};
+
 // ---- model ops ----
 // x[t][:] = dequantized row tokens[t] of a raw GGUF matrix (d_table, row_bytes apart).
 void embed(DType type, const void* d_table, size_t row_bytes, int64_t dim, const int32_t* d_tokens, int n, float* d_x,
@@ -119,10 +145,38 @@ struct KvArgs {
 void rope_kv(float* d_qkv, int64_t ld, int64_t k_off, int64_t v_off, int n, const int32_t* d_pos,
              const int32_t* d_seq, const float* d_cos_sin, int n_heads, int n_kv_heads, int head_dim, int n_rot,
              const KvArgs& kv, Stream stream);
-// out[t][h * hd ..] = softmax(q_h . K^T / sqrt(hd)) V over positions 0..pos[t] of seq[t].
+// Split-K ("flash-decoding") scratch for attention(): the positions of a long context are cut into n_split
+// chunks of `chunk` positions, one CTA each, whose partial softmax sums meet in `partial` and are combined by
+// the last CTA to finish (counted in `counter`, which that CTA resets to 0). Sized from n_ctx alone, so a
+// graph captured once stays valid while positions grow. Allocate before any graph capture.
+struct AttnScratch {
+  float* partial = nullptr;  // [max_tokens][n_heads][n_split][head_dim + 2]: max, sum of exp, unnormalised V sum
+  int* counter = nullptr;    // [max_tokens][n_heads], zero between calls
+  int n_split = 1;           // 1: nothing allocated, attention runs unsplit
+  int chunk = 0;             // positions per split
+  int max_tokens = 0, n_heads = 0, head_dim = 0, n_ctx = 0;
+};
+AttnScratch attention_scratch_alloc(int max_tokens, int n_heads, int head_dim, int n_ctx);
+void attention_scratch_free(AttnScratch& s);
+// out[t][h * hd ..] = softmax(q_h . K^T / sqrt(hd)) V over positions 0..pos[t] of seq[t]. With a scratch of
+// several splits and n <= scratch->max_tokens the positions are split; a token with pos[t] < chunk still gets
+// the unsplit result bit for bit. Without (null, or a larger batch) every (head, token) is one CTA.
 void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32_t* d_pos, const int32_t* d_seq,
-               int n_heads, int n_kv_heads, int head_dim, int n_ctx, const KvArgs& kv, float* d_out, Stream stream);
+               int n_heads, int n_kv_heads, int head_dim, int n_ctx, const KvArgs& kv, float* d_out, Stream stream,
+               const AttnScratch* scratch = nullptr);
 void attention_prepare(int n_ctx);  // raises the kernel's shared-memory limit for n_ctx positions
+
+// Tiled tensor-core attention for prefill-sized steps (flash_attention.cu): a tile is up to 64 batch tokens
+// first .. first + count - 1 of one sequence at positions pos0 .. pos0 + count - 1. Same result as attention()
+// up to f16 rounding of the softmax weights; needs an f16 cache and a head size of 32, 64 or 128.
+struct AttnTile {
+  int32_t first, count, seq, pos0;
+};
+// Cuts a batch into tiles (runs of one sequence at consecutive positions); out needs room for n tiles.
+int make_attention_tiles(const int32_t* pos, const int32_t* seq, int n, AttnTile* out);
+bool flash_attention_supported(int head_dim, const KvArgs& kv);
+void flash_attention(const float* d_qkv, int64_t ld, const AttnTile* d_tiles, int n_tiles, int n_heads, int n_kv_heads,
+                     int head_dim, const KvArgs& kv, float* d_out, Stream stream);
 
 // ---- sampling ----
 // d_out[r] = index of the largest of the n values of row r (rows ld floats apart), the lowest index on ties:

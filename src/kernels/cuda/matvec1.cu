@@ -1,0 +1,477 @@
+// Single-token products (matvec1.h) over the fragment-ordered weights of repack.cu.
+//
+// At one token the general product's m16n8k32 runs 7 zero token columns and a full float epilogue per
+// k-step, which makes the 4-bit formats instruction-bound. Here each lane does the one live column with
+// __dp4a: its 16-byte chunk holds rows g and g + 8 of a tile (g = lane / 4) for the columns 4t..4t+3 and
+// 16+4t..16+4t+3 (t = lane % 4) of one or more k-steps, so two dp4a per row and step consume the matching
+// 8 activation bytes, which every CTA stages once in shared memory, permuted so that lane t reads them
+// with one 8-byte load. Lanes keep per-row partial sums over their columns; the 4 lanes of a row meet by
+// shuffles at the end of a tile.
+//
+// Integer sums stay per k-step (Q4_K, TQ2_0: per super-block) and are scaled once, like the CPU reference.
+//
+// Work split: a CTA of 8 warps handles 8 / S tiles at a time, S warps per tile splitting its chunks in
+// rounds of 4 chunks (S in 1, 2, 4, 8, chosen on the host for the best balance over the resident CTAs: a
+// 4096 x 16384 matrix has only 256 tiles, so 8 warps share each). As in matmul.cu the grid is persistent,
+// two rounds alternate in registers (the loop is unrolled by two: a register copy would wait on the loads
+// in flight), the first round is requested before pdl_wait, and the S partial sums of a row are added in
+// shared memory in a fixed order: results are deterministic.
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/fragment.cuh"
+#include "kernels/cuda/matrix_layout.cuh"
+#include "kernels/cuda/matvec1.h"
+#include "kernels/cuda/ops.h"
+
+namespace merlin::cuda {
+namespace {
+
+constexpr int kWarps = 8, kThreads = kWarps * 32;
+constexpr int kRound = 4;              // chunks per round: one Q4_K super-block, two TQ2_0 super-blocks
+constexpr int64_t kMaxK = 65536;       // longest row whose activations fit the staged shared memory
+constexpr int64_t kKBucket = 4096;     // occupancy is tabulated per bucket of k (shared memory grows with k)
+constexpr int kBuckets = (int)(kMaxK / kKBucket);
+
+struct Mv1Args {
+  const uint8_t* q;
+  const uint8_t* s;
+  int64_t k;
+  int n_steps, n_chunks, n_super, tiles;
+  int lsplit;        // log2 S: warps per tile
+  int rounds;        // rounds per warp per tile: ceil(n_chunks / (kRound * S))
+  int groups;        // tile groups of 8 / S tiles
+  const int8_t* xq;
+  const float* xs;
+  float* y;
+  int64_t n_out;
+  int accumulate;
+};
+
+// Scale words per round: per k-step (Q8_0, Q4_0: half2 of rows g, g + 8; MXFP4: their e8m0 bytes), per
+// super-block (TQ2_0: half2), none (Q4_K: two 16-byte headers instead).
+__host__ __device__ constexpr int round_scales(int f) {
+  return f == kQ8_0 ? kRound : f == kQ4_0 || f == kMXFP4 ? 2 * kRound : f == kTQ2 ? 2 : 1;
+}
+
+template <int F>
+struct Round {
+  uint4 w[kRound];
+  uint32_t s[round_scales(F)];
+  uint4 h[F == kQ4_K ? 2 : 1];
+};
+
+// Loads round (tile, chunks c0 .. c0 + 3); nc is 0 for a tile past the end, so nothing is loaded.
+template <int F>
+__device__ __forceinline__ void load_round(const Mv1Args& p, int tile, int c0, int nc, int lane, Round<F>& r) {
+  const int g = lane >> 2;
+  const uint4* qp = reinterpret_cast<const uint4*>(p.q) + (int64_t)tile * p.n_chunks * 32 + lane;
+#pragma unroll
+  for (int u = 0; u < kRound; ++u)
+    if (c0 + u < nc) r.w[u] = load_stream(qp + (int64_t)(c0 + u) * 32);
+  if (c0 >= nc) return;
+  const int step0 = c0 * steps_per_chunk(F);
+  // Scale indices past the end are clamped rather than predicated (those scales are never used): with
+  // unpredicated loads ptxas fits Q4_0 in 80 registers without spills; Q8_0 is the opposite (it spills with
+  // clamping, and at 128 registers does not with predication). Found with -Xptxas -v, not by reasoning.
+  if constexpr (F == kQ8_0) {
+    const uint32_t* sp = reinterpret_cast<const uint32_t*>(p.s) + (int64_t)tile * p.n_steps * 8 + g;
+#pragma unroll
+    for (int j = 0; j < round_scales(F); ++j)
+      if (step0 + j < p.n_steps) r.s[j] = __ldg(sp + (int64_t)(step0 + j) * 8);
+  } else if constexpr (F == kQ4_0) {
+    const uint32_t* sp = reinterpret_cast<const uint32_t*>(p.s) + (int64_t)tile * p.n_steps * 8 + g;
+#pragma unroll
+    for (int j = 0; j < round_scales(F); ++j) r.s[j] = __ldg(sp + (int64_t)min(step0 + j, p.n_steps - 1) * 8);
+  } else if constexpr (F == kMXFP4) {
+    const uint16_t* sp = reinterpret_cast<const uint16_t*>(p.s) + (int64_t)tile * p.n_steps * 8 + g;
+#pragma unroll
+    for (int j = 0; j < round_scales(F); ++j) r.s[j] = __ldg(sp + (int64_t)min(step0 + j, p.n_steps - 1) * 8);
+  } else if constexpr (F == kTQ2) {  // n_steps % 8 == 0: a round's chunks cover whole super-blocks
+    const uint32_t* sp = reinterpret_cast<const uint32_t*>(p.s) + (int64_t)tile * p.n_super * 8 + g;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) r.s[j] = __ldg(sp + (int64_t)min(step0 / 8 + j, p.n_super - 1) * 8);
+  } else {  // Q4_K: n_chunks % 4 == 0, so a started round is a whole super-block
+    const uint4* hp = reinterpret_cast<const uint4*>(p.s) + ((int64_t)tile * p.n_super + step0 / 8) * 16;
+    r.h[0] = __ldg(hp + g);
+    r.h[1] = __ldg(hp + g + 8);
+  }
+}
+
+// The two halves of a 32-bit scale word (rows g and g + 8) as floats.
+__device__ __forceinline__ float2 half2_bits(uint32_t b) {
+  return make_float2(half_bits_to_f32((uint16_t)(b & 0xFFFFu)), half_bits_to_f32((uint16_t)(b >> 16)));
+}
+
+__device__ __forceinline__ int dp4a(uint32_t a, uint32_t b, int c) { return __dp4a((int)a, (int)b, c); }
+
+// (float)d for |d| < 2^22, exactly, with an integer add and a float add instead of I2F, whose throughput is
+// a fraction of theirs (a conversion per row and k-step would make it the busiest unit): d added to the bits
+// of 1.5 * 2^23 lands in that float's mantissa. Per-step (TQ2_0: per super-block) sums stay below 2^18.
+__device__ __forceinline__ float small_int_to_float(int d) { return __int_as_float(0x4B400000 + d) - 12582912.0f; }
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+
+// MXFP4: dot product of 8 codes (one 32-bit word of a chunk; nibbles in the order v0 v8 v1 v9 v2 v10 v3 v11)
+// with the activations staged in that order (xa, xb). The codes index prmt directly (a selector nibble
+// picks a byte, or with bit 3 set replicates that byte's sign): lookup P' with the code gives P[c] + 1 for
+// c in 1..7, P[0] = 0 for c = 0 and 0 for c >= 8; lookup N with c ^ 8 gives N[c - 8] (the negative values)
+// for c >= 8 and -1 for c in 1..7, 0 for c = 0. Their bytewise sum is the value; dp4a is linear, so the two
+// lookups are dotted separately and no bytewise add (with its carries) is needed.
+__device__ __forceinline__ int mxfp4_dot(uint32_t w, uint32_t xa, uint32_t xb, int acc) {
+  constexpr uint32_t kPLo = 0x04030200u, kPHi = 0x0D090705u;  // P' = {0, 2, 3, 4, 5, 7, 9, 13}
+  constexpr uint32_t kNLo = 0xFDFEFF00u, kNHi = 0xF4F8FAFCu;  // N = -{0, 1, 2, 3, 4, 6, 8, 12}
+  const uint32_t wn = w ^ 0x88888888u;
+  acc = dp4a(prmt(kPLo, kPHi, w), xa, acc);
+  acc = dp4a(prmt(kNLo, kNHi, wn), xa, acc);
+  acc = dp4a(prmt(kPLo, kPHi, w >> 16), xb, acc);
+  return dp4a(prmt(kNLo, kNHi, wn >> 16), xb, acc);
+}
+
+// Staged activations of k-step `step` for lane column group t: Q8_0 layout x[4t..4t+3], x[16+4t..16+4t+3];
+// MXFP4 the same bytes interleaved as the nibbles of a code word (see stage_x).
+__device__ __forceinline__ uint2 x_at(const uint2* xq, int step, int t) { return xq[step * 4 + t]; }
+
+// One round of a warp: adds rows g and g + 8's partial sums over this lane's columns to acc0 / acc1.
+template <int F>
+__device__ __forceinline__ void compute_round(const Mv1Args& p, const Round<F>& r, int c0, int nc, const uint2* xq,
+                                              const float* xs, int t, float& acc0, float& acc1) {
+  if (c0 >= nc) return;
+  constexpr uint32_t kLo = 0x0F0F0F0Fu;
+  if constexpr (F == kQ8_0) {
+#pragma unroll
+    for (int u = 0; u < kRound; ++u) {
+      const int step = c0 + u;
+      if (step >= nc) break;
+      const uint2 x = x_at(xq, step, t);
+      const int d0 = dp4a(r.w[u].x, x.x, dp4a(r.w[u].z, x.y, 0));
+      const int d1 = dp4a(r.w[u].y, x.x, dp4a(r.w[u].w, x.y, 0));
+      const float2 ws = half2_bits(r.s[u]);
+      const float sx = xs[step];
+      acc0 = fmaf(small_int_to_float(d0), ws.x * sx, acc0);
+      acc1 = fmaf(small_int_to_float(d1), ws.y * sx, acc1);
+    }
+  } else if constexpr (F == kQ4_0 || F == kMXFP4) {
+#pragma unroll
+    for (int u = 0; u < kRound; ++u) {
+      if (c0 + u >= nc) break;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int step = (c0 + u) * 2 + j;
+        if (step >= p.n_steps) break;  // the last chunk of an odd n_steps has no second step
+        const uint32_t w0 = j == 0 ? r.w[u].x : r.w[u].z, w1 = j == 0 ? r.w[u].y : r.w[u].w;  // rows g, g + 8
+        const uint2 x = x_at(xq, step, t);
+        const float sx = xs[step];
+        const uint32_t sw = r.s[2 * u + j];
+        if constexpr (F == kQ4_0) {
+          // Codes are value + 8: dot(code, x) - 8 * sum(x), the correction made by dp4a with bytes of -8.
+          const int corr = dp4a(0xF8F8F8F8u, x.x, dp4a(0xF8F8F8F8u, x.y, 0));
+          const int d0 = dp4a(w0 & kLo, x.x, dp4a((w0 >> 4) & kLo, x.y, corr));
+          const int d1 = dp4a(w1 & kLo, x.x, dp4a((w1 >> 4) & kLo, x.y, corr));
+          const float2 ws = half2_bits(sw);
+          acc0 = fmaf(small_int_to_float(d0), ws.x * sx, acc0);
+          acc1 = fmaf(small_int_to_float(d1), ws.y * sx, acc1);
+        } else {
+          const int d0 = mxfp4_dot(w0, x.x, x.y, 0), d1 = mxfp4_dot(w1, x.x, x.y, 0);
+          acc0 = fmaf(small_int_to_float(d0), e8m0_half((uint8_t)(sw & 0xFF)) * sx, acc0);
+          acc1 = fmaf(small_int_to_float(d1), e8m0_half((uint8_t)((sw >> 8) & 0xFF)) * sx, acc1);
+        }
+      }
+    }
+  } else if constexpr (F == kQ4_K) {
+    // The round is one super-block (8 sub-blocks of 32): value = d * sc_j * q - dmin * m_j, q in 0..15. Sums
+    // stay integer over the super-block: S1 = sum_j sc_j dot(q, x), S2 = sum_j m_j sum(x) (dp4a with m_j in
+    // every byte), then one float step with d, dmin and the activation's super-block scale.
+    int s1[2] = {0, 0}, s2[2] = {0, 0};
+    uint32_t sc[2][2], mn[2][2];  // [row][sub-blocks 0-3 / 4-7]: the 6-bit scales and mins, one per byte
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const uint4 h = r.h[rr];
+      sc[rr][0] = h.y & 0x3F3F3F3Fu;
+      mn[rr][0] = h.z & 0x3F3F3F3Fu;
+      sc[rr][1] = (h.w & kLo) | ((h.y >> 2) & 0x30303030u);
+      mn[rr][1] = ((h.w >> 4) & kLo) | ((h.z >> 2) & 0x30303030u);
+    }
+#pragma unroll
+    for (int u = 0; u < kRound; ++u) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int i = 2 * u + j, step = c0 * 2 + i;
+        const uint32_t w0 = j == 0 ? r.w[u].x : r.w[u].z, w1 = j == 0 ? r.w[u].y : r.w[u].w;
+        const uint2 x = x_at(xq, step, t);
+        const uint32_t wr[2] = {w0, w1};
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          const int d = dp4a(wr[rr] & kLo, x.x, dp4a((wr[rr] >> 4) & kLo, x.y, 0));
+          const int scj = (int)((sc[rr][i >> 2] >> (8 * (i & 3))) & 0xFF);
+          const uint32_t m4 = prmt(mn[rr][i >> 2], 0, (uint32_t)(i & 3) * 0x1111u);  // m_j in all 4 bytes
+          s1[rr] += scj * d;
+          s2[rr] = dp4a(m4, x.x, dp4a(m4, x.y, s2[rr]));
+        }
+      }
+    }
+    const float sx = xs[c0 * 2];  // Q8_K: the super-block's d, repeated per block
+    const float2 dm0 = half2_bits(r.h[0].x);
+    const float2 dm1 = half2_bits(r.h[1].x);
+    acc0 = fmaf(sx, dm0.x * (float)s1[0] - dm0.y * (float)s2[0], acc0);
+    acc1 = fmaf(sx, dm1.x * (float)s1[1] - dm1.y * (float)s2[1], acc1);
+  } else {  // kTQ2: 4 k-steps per chunk in bit pairs, value = code - 1; two chunks per super-block
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int cb = c0 + 2 * half;
+      if (cb >= nc) break;  // n_chunks is even: super-blocks are whole
+      int s0 = 0, s1 = 0, corr = 0;
+#pragma unroll
+      for (int u = 2 * half; u < 2 * half + 2; ++u) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int step = (c0 + u) * 4 + j;
+          const uint32_t c = j == 0 ? r.w[u].x : j == 1 ? r.w[u].y : j == 2 ? r.w[u].z : r.w[u].w;
+          const uint2 x = x_at(xq, step, t);
+          // bit pairs: row g cols 4t.. (bits 0-1 of each byte), row g + 8 (2-3), row g cols 16+4t.. (4-5),
+          // row g + 8 (6-7)
+          s0 = dp4a(c & 0x03030303u, x.x, dp4a((c >> 4) & 0x03030303u, x.y, s0));
+          s1 = dp4a((c >> 2) & 0x03030303u, x.x, dp4a((c >> 6) & 0x03030303u, x.y, s1));
+          corr = dp4a(0xFFFFFFFFu, x.x, dp4a(0xFFFFFFFFu, x.y, corr));  // - sum(x): the codes are value + 1
+        }
+      }
+      const float sx = xs[cb * 4];
+      const float2 ws = half2_bits(r.s[half]);
+      acc0 = fmaf(small_int_to_float(s0 + corr), ws.x * sx, acc0);
+      acc1 = fmaf(small_int_to_float(s1 + corr), ws.y * sx, acc1);
+    }
+  }
+}
+
+// Copies the token's activation codes and block scales to shared memory. Step s's 32 codes become 4 groups
+// of 8 bytes, group t = the bytes lane t multiplies: x[4t..4t+3], x[16+4t..16+4t+3], for MXFP4 interleaved
+// (x[4t], x[16+4t], x[4t+1], x[16+4t+1], ...) like the nibbles of its code words.
+template <int F>
+__device__ __forceinline__ void stage_x(const Mv1Args& p, uint8_t* sm) {
+  const int kb = (int)(p.k / 32);
+  const uint4* src = reinterpret_cast<const uint4*>(p.xq);  // activation buffers are 256-byte aligned
+  uint4* dst = reinterpret_cast<uint4*>(sm);
+  for (int s = threadIdx.x; s < kb; s += kThreads) {
+    const uint4 a = src[2 * s], b = src[2 * s + 1];
+    if constexpr (F == kMXFP4) {
+      dst[2 * s] = make_uint4(__byte_perm(a.x, b.x, 0x5140), __byte_perm(a.x, b.x, 0x7362),
+                              __byte_perm(a.y, b.y, 0x5140), __byte_perm(a.y, b.y, 0x7362));
+      dst[2 * s + 1] = make_uint4(__byte_perm(a.z, b.z, 0x5140), __byte_perm(a.z, b.z, 0x7362),
+                                  __byte_perm(a.w, b.w, 0x5140), __byte_perm(a.w, b.w, 0x7362));
+    } else {
+      dst[2 * s] = make_uint4(a.x, b.x, a.y, b.y);
+      dst[2 * s + 1] = make_uint4(a.z, b.z, a.w, b.w);
+    }
+  }
+  float* xs = reinterpret_cast<float*>(sm + p.k);
+  for (int i = threadIdx.x; i < kb; i += kThreads) xs[i] = p.xs[i];
+  __syncthreads();
+}
+
+// Where a warp is in its (tile group, round) sequence; every warp of the CTA walks the same number of items,
+// so the per-group reduction (a CTA barrier) comes at the same item for all.
+struct Cursor {
+  int grp, r;  // group index (global) and round
+};
+
+// Adds the S warps' row sums of the tile group in a fixed order and writes (or adds) the outputs.
+__device__ __forceinline__ void finish_group(const Mv1Args& p, int grp, int warp, int lane, float acc0, float acc1,
+                                             float (*red)[16]) {
+  // The 4 lanes of a row: xor shuffles give every lane the same sum (float addition is commutative).
+  acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
+  acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
+  acc0 += __shfl_xor_sync(0xffffffffu, acc0, 2);
+  acc1 += __shfl_xor_sync(0xffffffffu, acc1, 2);
+  const int S = 1 << p.lsplit, tpg = kWarps >> p.lsplit;
+  if (S == 1) {  // a warp owns its tile: no barrier needed
+    if ((lane & 3) == 0) {
+      const int64_t r0 = ((int64_t)grp * tpg + warp) * 16 + (lane >> 2);
+      if (r0 < p.n_out) p.y[r0] = p.accumulate ? p.y[r0] + acc0 : acc0;
+      if (r0 + 8 < p.n_out) p.y[r0 + 8] = p.accumulate ? p.y[r0 + 8] + acc1 : acc1;
+    }
+    return;
+  }
+  if ((lane & 3) == 0) {
+    red[warp][lane >> 2] = acc0;
+    red[warp][(lane >> 2) + 8] = acc1;
+  }
+  __syncthreads();
+  if ((int)threadIdx.x < tpg * 16) {
+    const int slot = threadIdx.x >> 4, rr = threadIdx.x & 15;
+    float v = 0.f;
+    for (int s = 0; s < S; ++s) v += red[slot * S + s][rr];
+    const int64_t row = ((int64_t)grp * tpg + slot) * 16 + rr;
+    if (row < p.n_out) p.y[row] = p.accumulate ? p.y[row] + v : v;
+  }
+  // No second barrier: the next group uses the other half of the (double) red buffer, and a warp can only
+  // write that half again after the next group's barrier, which every reader of this half has passed.
+}
+
+__device__ __forceinline__ void advance(const Mv1Args& p, Cursor& c) {
+  if (++c.r == p.rounds) {
+    c.r = 0;
+    c.grp += gridDim.x;
+  }
+}
+
+// CTAs per SM the register budget must allow (MB): 2 (128 registers) for every format. Measured on the H200
+// (cuda_matvec, 2026-11-29), 3 CTAs at 80 registers streamed less for each 4-bit format, e.g. 4096 x 16384:
+// Q4_0 55 % against 69 %, Q4_K 64 % / 76 %, MXFP4 40 % / 53 % of the copy bandwidth, and Q8_0 spills at 80.
+// Both variants are compiled so that MERLIN_CUDA_MV1=2 or =3 can force one for timing.
+__host__ __device__ constexpr int min_blocks(int) { return 2; }
+
+template <int F, int MB>
+__global__ void __launch_bounds__(kThreads, MB) mv1_kernel(Mv1Args p) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ float red[2][kWarps][16];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
+  const int S = 1 << p.lsplit;
+  const int slot = warp >> p.lsplit, sub = warp & (S - 1);
+  const int tpg = kWarps >> p.lsplit;
+  // Items of this CTA: groups blockIdx.x, + gridDim.x, ...; rounds 0 .. rounds - 1 of each.
+  const int bx = (int)blockIdx.x, nb = (int)gridDim.x;
+  const int my_groups = bx < p.groups ? (p.groups - bx + nb - 1) / nb : 0;
+  const int n_items = my_groups * p.rounds;
+  auto tile_of = [&](const Cursor& c) { return c.grp * tpg + slot; };
+  auto chunk_of = [&](const Cursor& c) { return (sub + c.r * S) * kRound; };
+  auto nc_of = [&](const Cursor& c) { return tile_of(c) < p.tiles ? p.n_chunks : 0; };
+
+  // The first round is requested before pdl_wait (weights do not depend on earlier kernels). Requesting
+  // the second one there too made ptxas spill in every variant.
+  Round<F> ra{}, rb{};
+  Cursor cur{(int)blockIdx.x, 0};
+  if (n_items > 0) load_round<F>(p, tile_of(cur), chunk_of(cur), nc_of(cur), lane, ra);
+  pdl_trigger();
+  pdl_wait();
+  stage_x<F>(p, smem);
+  const uint2* xq = reinterpret_cast<const uint2*>(smem);
+  const float* xs = reinterpret_cast<const float*>(smem + p.k);
+  float acc0 = 0.f, acc1 = 0.f;
+  int parity = 0;
+  // Item i: request item i + 1 into `next`, compute `now`, finish the tile group after its last round.
+  auto item = [&](int i, const Round<F>& now, Round<F>& next) {
+    Cursor nx = cur;
+    advance(p, nx);
+    if (i + 1 < n_items) load_round<F>(p, tile_of(nx), chunk_of(nx), nc_of(nx), lane, next);
+    compute_round<F>(p, now, chunk_of(cur), nc_of(cur), xq, xs, t, acc0, acc1);
+    if (cur.r == p.rounds - 1) {
+      finish_group(p, cur.grp, warp, lane, acc0, acc1, red[parity]);
+      parity ^= 1;
+      acc0 = acc1 = 0.f;
+    }
+    cur = nx;
+  };
+  for (int i = 0; i < n_items; i += 2) {
+    item(i, ra, rb);
+    if (i + 1 < n_items) item(i + 1, rb, ra);
+  }
+}
+
+size_t smem_bytes(int64_t k) { return (size_t)k + (size_t)(k / 32) * 4; }
+
+int g_sm_count = 0;
+// CTAs per SM of mv1_kernel<F, MB> for rows up to (bucket + 1) * kKBucket, [F][MB - 2][bucket].
+int g_resident[8][2][kBuckets] = {};
+
+template <int F, int MB>
+void prepare_mb() {
+  MERLIN_CUDA_CHECK(
+      cudaFuncSetAttribute(mv1_kernel<F, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes(kMaxK)));
+  for (int b = 0; b < kBuckets; ++b)
+    MERLIN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&g_resident[F][MB - 2][b], mv1_kernel<F, MB>,
+                                                                     kThreads, smem_bytes((b + 1) * kKBucket)));
+}
+
+template <int F>
+void prepare() {
+  prepare_mb<F, 2>();
+  prepare_mb<F, 3>();
+}
+
+// MERLIN_CUDA_MV1 (read once): 0 = off (the general product runs), 2 / 3 = force that register budget
+// (CTAs per SM), unset or anything else = on with the per-format default.
+int mv1_mode() {
+  static const int mode = [] {
+    const char* e = std::getenv("MERLIN_CUDA_MV1");
+    if (e && std::strcmp(e, "0") == 0) return 0;
+    if (e && std::strcmp(e, "2") == 0) return 2;
+    if (e && std::strcmp(e, "3") == 0) return 3;
+    return 1;
+  }();
+  return mode;
+}
+
+template <int F>
+void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool accumulate, Stream stream) {
+  const Geometry geo = geometry(F, w.rows, w.k);
+  Mv1Args p{};
+  p.q = w.q;
+  p.s = w.s;
+  p.k = w.k;
+  p.n_steps = (int)geo.n_steps;
+  p.n_chunks = (int)geo.n_chunks;
+  p.n_super = (int)geo.n_super;
+  p.tiles = (int)geo.tiles;
+  p.xq = x.q;
+  p.xs = x.scale;
+  p.y = d_y;
+  p.n_out = n_out;
+  p.accumulate = accumulate ? 1 : 0;
+  const int mb = mv1_mode() >= 2 ? mv1_mode() : min_blocks(F);
+  const int per_sm = std::max(1, g_resident[F][mb - 2][(w.k - 1) / kKBucket]);
+  const int64_t ctas = (int64_t)g_sm_count * per_sm;
+  // Warps per tile S: the one that minimizes the busiest CTA's work, (tile groups per CTA) x (rounds per
+  // warp and tile); ties go to the smaller S (fewer reductions and barriers).
+  int ls = 0;
+  int64_t best = INT64_MAX;
+  for (int l = 0; l <= 3; ++l) {
+    const int64_t groups = (p.tiles + (kWarps >> l) - 1) / (kWarps >> l);
+    const int64_t rounds = (p.n_chunks + (kRound << l) - 1) / (kRound << l);
+    const int64_t cost = (groups + ctas - 1) / ctas * rounds;
+    if (cost < best) best = cost, ls = l;
+  }
+  p.lsplit = ls;
+  p.rounds = (p.n_chunks + (kRound << ls) - 1) / (kRound << ls);
+  const int tpg = kWarps >> ls;
+  p.groups = (p.tiles + tpg - 1) / tpg;
+  const unsigned grid = (unsigned)std::min<int64_t>(p.groups, ctas);
+  if (mb == 2) launch_pdl(mv1_kernel<F, 2>, dim3(grid), dim3(kThreads), smem_bytes(w.k), stream, p);
+  else launch_pdl(mv1_kernel<F, 3>, dim3(grid), dim3(kThreads), smem_bytes(w.k), stream, p);
+  check_launch("matvec1");
+}
+
+}  // namespace
+
+bool matvec1(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out_rows, bool accumulate, Stream stream) {
+  if (mv1_mode() == 0 || w.k > kMaxK || w.k <= 0 || g_sm_count == 0) return false;
+  const int64_t n_out = std::min(n_out_rows, w.rows);
+  if (n_out <= 0) return true;
+  switch (w.fmt) {
+    case kQ8_0: launch<kQ8_0>(w, x, d_y, n_out, accumulate, stream); return true;
+    case kQ4_0: launch<kQ4_0>(w, x, d_y, n_out, accumulate, stream); return true;
+    case kMXFP4: launch<kMXFP4>(w, x, d_y, n_out, accumulate, stream); return true;
+    case kQ4_K: launch<kQ4_K>(w, x, d_y, n_out, accumulate, stream); return true;
+    case kTQ2: launch<kTQ2>(w, x, d_y, n_out, accumulate, stream); return true;
+    default: return false;
+  }
+}
+
+void init_matvec1_kernels() {
+  int dev = 0;
+  MERLIN_CUDA_CHECK(cudaGetDevice(&dev));
+  prepare<kQ8_0>();
+  prepare<kQ4_0>();
+  prepare<kMXFP4>();
+  prepare<kQ4_K>();
+  prepare<kTQ2>();
+  MERLIN_CUDA_CHECK(cudaDeviceGetAttribute(&g_sm_count, cudaDevAttrMultiProcessorCount, dev));
+}
+
+}  // namespace merlin::cuda

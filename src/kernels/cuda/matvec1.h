@@ -1,0 +1,18 @@
+// Single-token (batch-1 decode) products: a dedicated kernel for the formats where the general tensor-core
+// product (matmul.cu) is instruction-bound rather than memory-bound at one token. matmul() calls it first for
+// n == 1; it returns false when it does not handle the matrix (format without a dedicated kernel, or
+// MERLIN_CUDA_MV1=0), and the general product runs instead.
+#pragma once
+#include <cstdint>
+
+#include "kernels/cuda/ops.h"
+
+namespace merlin::cuda {
+
+// y[r] (= or +=) sum_i W[r][i] x[0][i] for r < n_out_rows; same contract as matmul() with n == 1.
+bool matvec1(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out_rows, bool accumulate, Stream stream);
+
+// Called once by init_matmul_kernels (never inside a graph capture): kernel attributes and occupancy.
+void init_matvec1_kernels();
+
+}  // namespace merlin::cuda
