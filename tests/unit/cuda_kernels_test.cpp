@@ -288,6 +288,59 @@ TEST(CudaKernels, SingleTokenProductMatchesScalarCpu) {
   }
 }
 
+// Batches of 9..32 tokens on a matrix with at least as many 16-row tiles as the GPU has SMs run the 16- and
+// 32-token kernels; smaller matrices run 8-token CTAs (see launch_fmt). A token's arithmetic is the same in
+// every variant, so each token's outputs must equal, bit for bit, those of a 5-token call (8-token kernel)
+// on the same rows, and match the scalar CPU.
+TEST(CudaKernels, BatchedVariantsAreBitIdentical) {
+  REQUIRE_GPU();
+  const auto& scalar = kernels::kernels_for(KernelLevel::Scalar);
+  const int64_t rows = 16 * 300 + 5, k = 512;  // 301 tiles: more than any current GPU's SM count
+  for (DType t : {DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::Q4_K, DType::TQ2_0}) {
+    SCOPED_TRACE(dtype_name(t));
+    const std::vector<uint8_t> w = random_matrix(t, rows, k, 77);
+    const size_t row_bytes = dtype_row_bytes(t, (uint64_t)k);
+    const cu::MatrixPart part{t, w.data(), rows, k, row_bytes};
+    cu::Matrix m = cu::upload_matrix(&part, 1, nullptr);
+    auto run = [&](const std::vector<float>& x, int n) {
+      cu::ActBuf a = cu::act_alloc(m.act(), k, n);
+      DevFloats dx(x), dy(std::vector<float>((size_t)n * rows, 0.0f));
+      cu::PrepArgs p;
+      p.d_x = dx.p;
+      p.ld = k;
+      cu::prep_act(p, n, a, nullptr);
+      cu::matmul(m, a, n, dy.p, rows, rows, false, nullptr);
+      cu::sync_device();
+      cu::act_free(a);
+      return download(dy.p, (size_t)n * rows);
+    };
+    for (int n : {32, 17}) {
+      const std::vector<float> x = gaussian((size_t)n * k, (uint32_t)n + 5);
+      const std::vector<float> all = run(x, n);
+      for (int t0 = 0; t0 + 5 <= n; t0 += 5) {
+        const std::vector<float> some = run(std::vector<float>(x.begin() + t0 * k, x.begin() + (t0 + 5) * k), 5);
+        for (int i = 0; i < 5; ++i)
+          for (int64_t r = 0; r < rows; ++r)
+            ASSERT_EQ(all[(size_t)(t0 + i) * rows + r], some[(size_t)i * rows + r]) << "token " << t0 + i << " row " << r;
+      }
+      const kernels::MatmulKernel* mk = scalar.matmul(t);
+      std::vector<float> want((size_t)n * rows);
+      if (mk->act_type == DType::F32) {
+        mk->rows(w.data(), row_bytes, 0, rows, x.data(), (size_t)k * 4, n, k, want.data(), rows);
+      } else {
+        const size_t xb = dtype_row_bytes(mk->act_type, (uint64_t)k);
+        std::vector<uint8_t> xq(xb * n);
+        mk->quantize_act(x.data(), n, k, xq.data());
+        mk->rows(w.data(), row_bytes, 0, rows, xq.data(), xb, n, k, want.data(), rows);
+      }
+      float worst = 0;
+      for (size_t i = 0; i < want.size(); ++i) worst = std::max(worst, std::fabs(all[i] - want[i]));
+      EXPECT_LE(worst, 2e-5f * max_abs(want) + 1e-6f) << n << " tokens";
+    }
+    cu::free_matrix(m);
+  }
+}
+
 TEST(CudaKernels, StackedMatricesKeepTheirRows) {
   REQUIRE_GPU();
   const DType t = DType::Q4_0;

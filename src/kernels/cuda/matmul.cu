@@ -430,9 +430,22 @@ void launch_nt(MmArgs p, Stream stream, int64_t tiles) {
     launch_pdl(mm_kernel<F, NT>, grid, kWarps * 32, p.stage_x ? staged : 0, stream, p);
 }
 
+// Matrices with fewer 16-row tiles than SMs (base's 768-row Wo and down projection: 48 tiles) give a
+// 16- or 32-token launch fewer CTAs than SMs, each with a few busy warps (k = 768 in Q4_0 is 12 chunks: 3 of 8
+// warps). Those run as 8-token CTAs instead, one per (tile, 8 tokens): more CTAs at a quarter of the work
+// each, weights re-read from L2. The per-token arithmetic and its order are the same in every NT, so
+// results are bit-identical. MERLIN_CUDA_SMALL_SPLIT=0 turns it off (A/B timing).
+bool small_split_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("MERLIN_CUDA_SMALL_SPLIT");
+    return !(v && std::string(v) == "0");
+  }();
+  return on;
+}
+
 template <int F>
 void launch_fmt(const MmArgs& p, Stream stream, int64_t tiles) {
-  if (p.n <= 8) launch_nt<F, 1>(p, stream, tiles);
+  if (p.n <= 8 || (small_split_enabled() && tiles < g_sm_count)) launch_nt<F, 1>(p, stream, tiles);
   else if (p.n <= 16) launch_nt<F, 2>(p, stream, tiles);
   else launch_nt<F, 4>(p, stream, tiles);
 }
