@@ -434,18 +434,19 @@ void launch_nt(MmArgs p, Stream stream, int64_t tiles) {
 // 16- or 32-token launch fewer CTAs than SMs, each with a few busy warps (k = 768 in Q4_0 is 12 chunks: 3 of 8
 // warps). Those run as 8-token CTAs instead, one per (tile, 8 tokens): more CTAs at a quarter of the work
 // each, weights re-read from L2. The per-token arithmetic and its order are the same in every NT, so
-// results are bit-identical. MERLIN_CUDA_SMALL_SPLIT=0 turns it off (A/B timing).
-bool small_split_enabled() {
-  static const bool on = [] {
+// results are bit-identical.
+// MERLIN_CUDA_SMALL_SPLIT=N moves the bound to N tiles per SM (0: off).
+int64_t small_split_tiles() {
+  static const int64_t per_sm = [] {
     const char* v = std::getenv("MERLIN_CUDA_SMALL_SPLIT");
-    return !(v && std::string(v) == "0");
+    return v ? (int64_t)std::atoi(v) : 1;
   }();
-  return on;
+  return per_sm * g_sm_count;
 }
 
 template <int F>
 void launch_fmt(const MmArgs& p, Stream stream, int64_t tiles) {
-  if (p.n <= 8 || (small_split_enabled() && tiles < g_sm_count)) launch_nt<F, 1>(p, stream, tiles);
+  if (p.n <= 8 || tiles < small_split_tiles()) launch_nt<F, 1>(p, stream, tiles);
   else if (p.n <= 16) launch_nt<F, 2>(p, stream, tiles);
   else launch_nt<F, 4>(p, stream, tiles);
 }
