@@ -22,7 +22,10 @@
 namespace merlin::cuda {
 namespace {
 
-constexpr int kThreads = 128;      // rope_kv
+// rope_kv: one CTA per token. A decode token's kernel is a chain of dependent memory round trips (position,
+// table, row, cache), one per loop iteration of a thread, so the CTA is wide enough that each thread does
+// about one element per loop for the base model (768 rotated q/k elements, 768 v elements).
+constexpr int kThreads = 512;
 constexpr int kAttnThreads = 256;  // attention
 
 __device__ __forceinline__ int64_t kv_slot(const KvArgs& kv, int seq, int pos) {
@@ -39,13 +42,15 @@ __device__ __forceinline__ float2 rotate(float x0, float x1, float c, float s) {
   return make_float2(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)), __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
 }
 
-__global__ void rope_kv_kernel(float* qkv, int64_t ld, int64_t k_off, int64_t v_off, const int32_t* d_pos,
-                               const int32_t* d_seq, const float* cos_sin, int n_heads, int n_kv_heads, int hd,
-                               int n_rot, KvArgs kv) {
+__global__ void __launch_bounds__(kThreads) rope_kv_kernel(float* __restrict__ qkv, int64_t ld, int64_t k_off,
+                                                           int64_t v_off, const int32_t* d_pos, const int32_t* d_seq,
+                                                           const float* __restrict__ cos_sin, int n_heads,
+                                                           int n_kv_heads, int hd, int n_rot, KvArgs kv) {
   const int t = blockIdx.x;
   pdl_trigger();
   pdl_wait();
   const int pos = d_pos[t], seq = d_seq[t];
+  const int64_t kv_dim = (int64_t)n_kv_heads * hd, slot = kv_slot(kv, seq, pos);  // the table load overlaps
   float* row = qkv + (int64_t)t * ld;
   const float* cs = cos_sin + (int64_t)pos * n_rot;
   const int half_hd = hd / 2, half_rot = n_rot / 2;
@@ -57,7 +62,6 @@ __global__ void rope_kv_kernel(float* qkv, int64_t ld, int64_t k_off, int64_t v_
     v[0] = r.x;
     v[1] = r.y;
   }
-  const int64_t kv_dim = (int64_t)n_kv_heads * hd, slot = kv_slot(kv, seq, pos);
   for (int e = threadIdx.x; e < n_kv_heads * half_hd; e += blockDim.x) {
     const int h = e / half_hd, i = e % half_hd;
     const float* kr = row + k_off + h * hd + 2 * i;
