@@ -17,14 +17,17 @@ __global__ void __launch_bounds__(kPrepThreads) prep_kernel(PrepArgs p, ActBuf o
   __shared__ double sh[kPrepThreads / 32];
   const int t = blockIdx.x;
   const int64_t k = o.k, base = (int64_t)blockIdx.y * kPrepThreads;
+  const int64_t i = base + threadIdx.x;
+  const bool valid = i < k;
+  // The RMSNorm weight is immutable: loaded before the wait, it does not add a memory round trip after the
+  // row's reduction (a decode row's preparation is a chain of such round trips).
+  const float w = Mode == (int)Prep::RmsNorm && valid ? p.d_w[i] : 0.0f;
   pdl_trigger();
   pdl_wait();
   const int64_t src = p.d_rows ? p.d_rows[t] : t;
   const float* x = p.d_x + src * p.ld;
   const float scale = row_scale<Mode>(p, x, k, sh);
-  const int64_t i = base + threadIdx.x;
-  const bool valid = i < k;
-  emit<Kind>(valid ? prep_value<Mode>(p, x, i, scale) : 0.0f, valid, t, i, o);
+  emit<Kind>(valid ? prep_value<Mode>(p, x, i, scale, w) : 0.0f, valid, t, i, o);
 }
 
 template <int Kind>

@@ -99,15 +99,16 @@ __device__ __forceinline__ float row_scale(const PrepArgs& p, const float* x, in
   }
 }
 
+// w: the RMSNorm weight of element i (RmsNorm only).
 template <int Mode>
-__device__ __forceinline__ float prep_value(const PrepArgs& p, const float* x, int64_t i, float scale) {
+__device__ __forceinline__ float prep_value(const PrepArgs& p, const float* x, int64_t i, float scale, float w) {
   if constexpr (Mode == (int)Prep::RmsNorm) {
-    return __fmul_rn(__fmul_rn(x[i], scale), p.d_w[i]);
+    return __fmul_rn(__fmul_rn(x[i], scale), w);
   } else if constexpr (Mode == (int)Prep::SwiGlu) {
     const float g = x[i];
     return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), x[i + p.glu_offset]);
   } else {
-    (void)scale;
+    (void)scale, (void)w;
     return x[i];
   }
 }
@@ -124,7 +125,8 @@ __device__ void prep_rows(const PrepArgs& p, int tb, int nt, ActBuf& o) {
     for (int64_t base = 0; base < o.k; base += kPrepThreads) {
       const int64_t i = base + threadIdx.x;
       const bool valid = i < o.k;
-      emit<Kind>(valid ? prep_value<Mode>(p, x, i, scale) : 0.0f, valid, tl, i, o);
+      const float w = Mode == (int)Prep::RmsNorm && valid ? p.d_w[i] : 0.0f;
+      emit<Kind>(valid ? prep_value<Mode>(p, x, i, scale, w) : 0.0f, valid, tl, i, o);
     }
   }
 }
