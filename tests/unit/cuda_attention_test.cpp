@@ -1,100 +1,120 @@
-// The tiled tensor-core attention (flash_attention.cu) against the per-token kernel (attention.cu) on random
-// queries and a random f16 paged cache: several sequences in one batch, runs longer than one 64-query tile,
-// single tokens, positions that do not start at 0, shuffled block tables, GQA, head sizes 32, 64 and 128.
+// Attention kernels on random queries and a random paged cache (shuffled 16-position blocks, GQA):
+// - the tiled tensor-core prefill kernel (flash_attention.cu) against the per-token kernel (attention.cu): several
+//   sequences in one batch, runs longer than one 64-query tile, single tokens, positions that do not start at 0,
+//   head sizes 32, 64 and 128;
+// - split-K decode attention against the unsplit kernel at long positions, f16 and f32 caches.
 // Skips without a GPU.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "core/dtype.h"
-#include "kernels/cuda/cuda_api.h"
-#include "kernels/cuda/ops.h"
+#include "cuda_test_util.h"
 #include "quant_test_util.h"
 #include "test_util.h"
 
 using namespace merlin;
 namespace cu = merlin::cuda;
+using test::download;
+using test::upload;
 
 namespace {
 
-#define REQUIRE_GPU()                                                              \
-  do {                                                                             \
-    std::string why_;                                                              \
-    if (!cu::gpu_available(&why_)) GTEST_SKIP() << "no usable CUDA GPU: " << why_; \
-  } while (0)
-
-template <class T>
-T* upload(const std::vector<T>& v) {
-  T* d = static_cast<T*>(cu::dev_alloc(std::max<size_t>(v.size(), 1) * sizeof(T)));
-  if (!v.empty()) cu::copy_to_device(d, v.data(), v.size() * sizeof(T));
-  return d;
-}
+#define REQUIRE_GPU() MERLIN_REQUIRE_GPU()
 
 struct Token {
   int seq, pos;
 };
 
-// Runs both kernels on the same batch and cache; returns max |flash - reference| / max |reference|.
-float compare_kernels(int hd, int n_heads, int n_kv_heads, const std::vector<Token>& batch, uint32_t seed) {
-  const int n = (int)batch.size(), block = 16, n_seq = 3, n_ctx = 256, max_blocks = n_ctx / block;
-  const int n_blocks = n_seq * max_blocks;
-  const int64_t kv_dim = (int64_t)n_kv_heads * hd, ld = (int64_t)n_heads * hd;
-  std::mt19937 rng(seed);
-  // Shuffled block tables: sequence s's block b lives at a random physical block.
-  std::vector<int32_t> perm(n_blocks);
-  std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), rng);
-  std::vector<uint16_t> k((size_t)n_blocks * block * kv_dim), v(k.size());
-  const std::vector<float> kf = test::gaussian(k.size(), seed + 1), vf = test::gaussian(v.size(), seed + 2);
-  for (size_t i = 0; i < k.size(); ++i) {
-    k[i] = f32_to_fp16(kf[i]);
-    v[i] = f32_to_fp16(vf[i]);
-  }
-  const std::vector<float> q = test::gaussian((size_t)n * ld, seed + 3, 1.5f);  // peaky softmax too
-  std::vector<int32_t> pos(n), seq(n);
-  for (int i = 0; i < n; ++i) {
-    pos[i] = batch[i].pos;
-    seq[i] = batch[i].seq;
-  }
-  int32_t* d_table = upload(perm);
-  uint16_t* d_k = upload(k);
-  uint16_t* d_v = upload(v);
-  float* d_q = upload(q);
-  int32_t* d_pos = upload(pos);
-  int32_t* d_seq = upload(seq);
-  float* d_ref = upload(std::vector<float>((size_t)n * ld, 0.f));
-  float* d_out = upload(std::vector<float>((size_t)n * ld, 0.f));
-  std::vector<cu::AttnTile> tiles(n);
-  const int n_tiles = cu::make_attention_tiles(pos.data(), seq.data(), n, tiles.data());
-  tiles.resize(n_tiles);
-  cu::AttnTile* d_tiles = upload(tiles);
-
+// Three sequences of n_ctx positions in a paged cache of random K/V (f16 or f32) whose blocks are shuffled,
+// random queries for a batch of tokens, and the batch's positions and sequences, all on the device.
+struct RandomAttention {
+  static constexpr int kBlock = 16, kSeqs = 3;
+  int n, n_heads, n_kv_heads, hd, n_ctx;
+  int64_t ld;  // query row length: n_heads * hd
+  std::vector<int32_t> pos, seq;
   cu::KvArgs kv;
-  kv.d_k = d_k;
-  kv.d_v = d_v;
-  kv.f16 = true;
-  kv.block_size = block;
-  kv.max_blocks = max_blocks;
-  kv.d_table = d_table;
-  cu::attention_prepare(n_ctx);
-  cu::attention(d_q, ld, 0, n, d_pos, d_seq, n_heads, n_kv_heads, hd, n_ctx, kv, d_ref, nullptr);
-  cu::flash_attention(d_q, ld, d_tiles, n_tiles, n_heads, n_kv_heads, hd, kv, d_out, nullptr);
-  cu::sync_device();
-  std::vector<float> ref((size_t)n * ld), out(ref.size());
-  cu::copy_to_host(ref.data(), d_ref, ref.size() * 4);
-  cu::copy_to_host(out.data(), d_out, out.size() * 4);
+  float* d_q;
+  int32_t *d_pos, *d_seq;
+
+  RandomAttention(int hd_, int n_heads_, int n_kv_heads_, bool f16, const std::vector<Token>& batch, int n_ctx_,
+                  uint32_t seed)
+      : n((int)batch.size()), n_heads(n_heads_), n_kv_heads(n_kv_heads_), hd(hd_), n_ctx(n_ctx_),
+        ld((int64_t)n_heads_ * hd_) {
+    const int max_blocks = n_ctx / kBlock, n_blocks = kSeqs * max_blocks;
+    std::mt19937 rng(seed);
+    std::vector<int32_t> perm(n_blocks);  // sequence s's block b lives at a random physical block
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    const size_t cache_len = (size_t)n_blocks * kBlock * n_kv_heads * hd;
+    const std::vector<float> kf = test::gaussian(cache_len, seed + 1), vf = test::gaussian(cache_len, seed + 2);
+    if (f16) {
+      std::vector<uint16_t> k(cache_len), v(cache_len);
+      for (size_t i = 0; i < cache_len; ++i) {
+        k[i] = f32_to_fp16(kf[i]);
+        v[i] = f32_to_fp16(vf[i]);
+      }
+      kv.d_k = upload(k);
+      kv.d_v = upload(v);
+    } else {
+      kv.d_k = upload(kf);
+      kv.d_v = upload(vf);
+    }
+    kv.f16 = f16;
+    kv.block_size = kBlock;
+    kv.max_blocks = max_blocks;
+    kv.d_table = upload(perm);
+    d_q = upload(test::gaussian((size_t)n * ld, seed + 3, 1.5f));  // peaky softmax too
+    for (const Token& t : batch) {
+      pos.push_back(t.pos);
+      seq.push_back(t.seq);
+    }
+    d_pos = upload(pos);
+    d_seq = upload(seq);
+    cu::attention_prepare(n_ctx);
+  }
+  RandomAttention(const RandomAttention&) = delete;
+  RandomAttention& operator=(const RandomAttention&) = delete;
+  ~RandomAttention() {
+    for (void* p : {kv.d_k, kv.d_v, static_cast<void*>(const_cast<int32_t*>(kv.d_table)), static_cast<void*>(d_q),
+                    static_cast<void*>(d_pos), static_cast<void*>(d_seq)})
+      cu::dev_free(p);
+  }
+
+  // The per-token kernel's output (split-K with `scratch`, unsplit without).
+  std::vector<float> per_token(const cu::AttnScratch* scratch = nullptr) const {
+    test::DevFloats out(std::vector<float>((size_t)n * ld, 0.f));
+    cu::attention(d_q, ld, 0, n, d_pos, d_seq, n_heads, n_kv_heads, hd, n_ctx, kv, out.p, nullptr, scratch);
+    cu::sync_device();
+    return download(out.p, (size_t)n * ld);
+  }
+
+  std::vector<float> tiled() const {
+    std::vector<cu::AttnTile> tiles(n);
+    tiles.resize(cu::make_attention_tiles(pos.data(), seq.data(), n, tiles.data()));
+    cu::AttnTile* d_tiles = upload(tiles);
+    test::DevFloats out(std::vector<float>((size_t)n * ld, 0.f));
+    cu::flash_attention(d_q, ld, d_tiles, (int)tiles.size(), n_heads, n_kv_heads, hd, kv, out.p, nullptr);
+    cu::sync_device();
+    cu::dev_free(d_tiles);
+    return download(out.p, (size_t)n * ld);
+  }
+};
+
+// max |flash - reference| / max |reference| over the batch (flash's outputs all finite).
+float compare_kernels(int hd, int n_heads, int n_kv_heads, const std::vector<Token>& batch, uint32_t seed) {
+  const RandomAttention a(hd, n_heads, n_kv_heads, true, batch, 256, seed);
+  const std::vector<float> ref = a.per_token(), out = a.tiled();
   float worst = 0, amax = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
     EXPECT_TRUE(std::isfinite(out[i])) << "element " << i;
     worst = std::max(worst, std::fabs(out[i] - ref[i]));
     amax = std::max(amax, std::fabs(ref[i]));
   }
-  for (void* p : {(void*)d_table, (void*)d_k, (void*)d_v, (void*)d_q, (void*)d_pos, (void*)d_seq, (void*)d_ref,
-                  (void*)d_out, (void*)d_tiles})
-    cu::dev_free(p);
   return worst / amax;
 }
 
@@ -139,7 +159,6 @@ TEST(CudaFlashAttention, MatchesPerTokenKernel) {
 }
 
 // ---- split-K attention (AttnScratch) against the unsplit kernel ----
-#include <cstring>
 
 namespace {
 
@@ -152,59 +171,15 @@ struct SplitRun {
 // run unsplit (null scratch), split twice, and split with a scratch too small for the batch.
 SplitRun compare_split(int hd, int n_heads, int n_kv_heads, bool f16, const std::vector<Token>& batch, int n_ctx,
                        uint32_t seed) {
-  const int n = (int)batch.size(), block = 16, n_seq = 3, max_blocks = n_ctx / block, n_blocks = n_seq * max_blocks;
-  const int64_t kv_dim = (int64_t)n_kv_heads * hd, ld = (int64_t)n_heads * hd, out_len = (int64_t)n * ld;
-  std::mt19937 rng(seed);
-  std::vector<int32_t> perm(n_blocks);
-  std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), rng);
-  const size_t cache_len = (size_t)n_blocks * block * kv_dim;
-  const std::vector<float> kf = test::gaussian(cache_len, seed + 1), vf = test::gaussian(cache_len, seed + 2);
-  void *d_k = nullptr, *d_v = nullptr;
-  if (f16) {
-    std::vector<uint16_t> k(cache_len), v(cache_len);
-    for (size_t i = 0; i < cache_len; ++i) {
-      k[i] = f32_to_fp16(kf[i]);
-      v[i] = f32_to_fp16(vf[i]);
-    }
-    d_k = upload(k);
-    d_v = upload(v);
-  } else {
-    d_k = upload(kf);
-    d_v = upload(vf);
-  }
-  const std::vector<float> q = test::gaussian((size_t)out_len, seed + 3, 1.5f);
-  std::vector<int32_t> pos(n), seq(n);
-  for (int i = 0; i < n; ++i) {
-    pos[i] = batch[i].pos;
-    seq[i] = batch[i].seq;
-  }
-  int32_t* d_table = upload(perm);
-  float* d_q = upload(q);
-  int32_t* d_pos = upload(pos);
-  int32_t* d_seq = upload(seq);
-  float* d_out = upload(std::vector<float>((size_t)out_len, 0.f));
-  cu::KvArgs kv;
-  kv.d_k = d_k;
-  kv.d_v = d_v;
-  kv.f16 = f16;
-  kv.block_size = block;
-  kv.max_blocks = max_blocks;
-  kv.d_table = d_table;
-  cu::attention_prepare(n_ctx);
+  const RandomAttention a(hd, n_heads, n_kv_heads, f16, batch, n_ctx, seed);
+  const int n = a.n;
+  const int64_t ld = a.ld;
   cu::AttnScratch scratch = cu::attention_scratch_alloc(32, n_heads, hd, n_ctx);
   EXPECT_GT(scratch.n_split, 1);
-  auto run = [&](const cu::AttnScratch* s) {
-    cu::attention(d_q, ld, 0, n, d_pos, d_seq, n_heads, n_kv_heads, hd, n_ctx, kv, d_out, nullptr, s);
-    cu::sync_device();
-    std::vector<float> out((size_t)out_len);
-    cu::copy_to_host(out.data(), d_out, out.size() * 4);
-    return out;
-  };
-  const std::vector<float> ref = run(nullptr), split1 = run(&scratch), split2 = run(&scratch);
+  const std::vector<float> ref = a.per_token(), split1 = a.per_token(&scratch), split2 = a.per_token(&scratch);
   cu::AttnScratch small = scratch;  // a batch larger than the scratch runs unsplit
   small.max_tokens = n - 1;
-  const std::vector<float> unsplit = run(&small);
+  const std::vector<float> unsplit = a.per_token(&small);
   std::vector<int> counters((size_t)scratch.max_tokens * n_heads, -1);
   cu::copy_to_host(counters.data(), scratch.counter, counters.size() * sizeof(int));
   for (size_t i = 0; i < counters.size(); ++i) EXPECT_EQ(counters[i], 0) << "counter " << i << " not reset";
@@ -217,20 +192,19 @@ SplitRun compare_split(int hd, int n_heads, int n_kv_heads, bool f16, const std:
   EXPECT_EQ(std::memcmp(unsplit.data(), ref.data(), ref.size() * 4), 0) << "oversized batch did not run unsplit";
   float worst = 0, amax = 0;
   for (int i = 0; i < n; ++i) {
-    const float* a = split1.data() + (size_t)i * ld;
-    const float* b = ref.data() + (size_t)i * ld;
-    for (int64_t e = 0; e < ld; ++e) EXPECT_TRUE(std::isfinite(a[e])) << "token " << i << " element " << e;
-    if (pos[i] + 1 <= scratch.chunk) {
-      EXPECT_EQ(std::memcmp(a, b, row_bytes), 0) << "token at position " << pos[i] << " (one chunk) differs";
+    const float* x = split1.data() + (size_t)i * ld;
+    const float* y = ref.data() + (size_t)i * ld;
+    for (int64_t e = 0; e < ld; ++e) EXPECT_TRUE(std::isfinite(x[e])) << "token " << i << " element " << e;
+    if (a.pos[i] + 1 <= scratch.chunk) {
+      EXPECT_EQ(std::memcmp(x, y, row_bytes), 0) << "token at position " << a.pos[i] << " (one chunk) differs";
       continue;
     }
     for (int64_t e = 0; e < ld; ++e) {
-      worst = std::max(worst, std::fabs(a[e] - b[e]));
-      amax = std::max(amax, std::fabs(b[e]));
+      worst = std::max(worst, std::fabs(x[e] - y[e]));
+      amax = std::max(amax, std::fabs(y[e]));
     }
   }
   cu::attention_scratch_free(scratch);
-  for (void* p : {d_k, d_v, (void*)d_table, (void*)d_q, (void*)d_pos, (void*)d_seq, (void*)d_out}) cu::dev_free(p);
   r.rel_err = amax > 0 ? worst / amax : 0.f;
   return r;
 }

@@ -19,6 +19,7 @@
 #include "runtime/model.h"
 #include "runtime/quantize_model.h"
 #include "runtime/sampler.h"
+#include "cuda_test_util.h"
 #include "logits_test_util.h"
 #include "test_util.h"
 
@@ -28,11 +29,7 @@ using test::max_diff;
 
 namespace {
 
-#define REQUIRE_GPU()                                                               \
-  do {                                                                              \
-    std::string why_;                                                               \
-    if (!cuda::gpu_available(&why_)) GTEST_SKIP() << "no usable CUDA GPU: " << why_; \
-  } while (0)
+#define REQUIRE_GPU() MERLIN_REQUIRE_GPU()
 
 const std::string kDefaultModel = std::string(MERLIN_SOURCE_DIR) + "/models/merlin-default.gguf";
 

@@ -11,19 +11,21 @@
 #include "kernels/cpu/quant.h"
 #include "kernels/cuda/cuda_api.h"
 #include "kernels/cuda/ops.h"
+#include "cuda_test_util.h"
 #include "quant_test_util.h"
 #include "test_util.h"
 
 using namespace merlin;
 namespace cu = merlin::cuda;
+using test::DevFloats;
 
 namespace {
 
-#define REQUIRE_GEMM()                                                              \
-  do {                                                                              \
-    std::string why_;                                                               \
-    if (!cu::gpu_available(&why_)) GTEST_SKIP() << "no usable CUDA GPU: " << why_;  \
-    if (!cu::gemm_available(&why_)) GTEST_SKIP() << "no cuBLAS: " << why_;          \
+#define REQUIRE_GEMM()                                                     \
+  do {                                                                     \
+    MERLIN_REQUIRE_GPU();                                                  \
+    std::string why_;                                                      \
+    if (!cu::gemm_available(&why_)) GTEST_SKIP() << "no cuBLAS: " << why_; \
   } while (0)
 
 // A rows x k matrix of `type` in GGUF layout and its exact values as floats.
@@ -53,13 +55,6 @@ HostMatrix random_matrix(DType type, int64_t rows, int64_t k, uint32_t seed) {
   return m;
 }
 
-struct DevFloats {
-  float* p;
-  explicit DevFloats(const std::vector<float>& v) : p(static_cast<float*>(cu::dev_alloc(v.size() * 4))) {
-    cu::copy_to_device(p, v.data(), v.size() * 4);
-  }
-  ~DevFloats() { cu::dev_free(p); }
-};
 
 // y = 1 + W x through GemmRunner (accumulate), checked against the double product. The error allowed is the
 // half rounding of weights (f16: 2^-11 relative; bf16 weights are exact) and of x (f16 2^-11, bf16 2^-8),

@@ -13,6 +13,7 @@
 #include "kernels/cpu/quant_formats.h"
 #include "kernels/cuda/cuda_api.h"
 #include "kernels/cuda/ops.h"
+#include "cuda_test_util.h"
 #include "quant_test_util.h"
 #include "test_util.h"
 
@@ -21,14 +22,12 @@ namespace cu = merlin::cuda;
 
 namespace {
 
-#define REQUIRE_GPU()                                                            \
-  do {                                                                           \
-    std::string why_;                                                            \
-    if (!cu::gpu_available(&why_)) GTEST_SKIP() << "no usable CUDA GPU: " << why_; \
-  } while (0)
+#define REQUIRE_GPU() MERLIN_REQUIRE_GPU()
 
 using test::gaussian;
 using test::randomize_blocks;
+using test::DevFloats;
+using test::download;
 
 
 // A rows x k matrix of `type` in GGUF layout.
@@ -50,27 +49,12 @@ std::vector<uint8_t> random_matrix(DType type, int64_t rows, int64_t k, uint32_t
   return m;
 }
 
-template <class T>
-std::vector<T> download(const T* d, size_t n) {
-  std::vector<T> h(n);
-  cu::copy_to_host(h.data(), d, n * sizeof(T));
-  return h;
-}
-
 float max_abs(const std::vector<float>& v) {
   float m = 0;
   for (float x : v) m = std::max(m, std::fabs(x));
   return m;
 }
 
-// Device copy of host floats, freed at scope exit.
-struct DevFloats {
-  float* p;
-  explicit DevFloats(const std::vector<float>& v) : p(static_cast<float*>(cu::dev_alloc(v.size() * 4))) {
-    cu::copy_to_device(p, v.data(), v.size() * 4);
-  }
-  ~DevFloats() { cu::dev_free(p); }
-};
 
 }  // namespace
 
