@@ -28,6 +28,7 @@
 
 #include "core/error.h"
 #include "core/thread_pool.h"
+#include "kernels/cpu/head_screen.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/quant.h"
 #include "runtime/backend.h"
@@ -71,6 +72,11 @@ class Scratch {
 // is loaded (and widened) once for all of them. 6 is the float kernels' widest token tile.
 constexpr int64_t kAttnGroup = 6;
 
+// forward_greedy screens the output head from this many rows on (fewer: the exact product is cheap enough), and
+// recomputes at most this many candidate rows of a token exactly (more: the token's whole row, exactly).
+constexpr int kScreenMinRows = 8;
+constexpr int64_t kScreenMaxCandidates = 512;
+
 struct MatmulJob {
   const Weight* w;
   float* y;  // [n_tokens][w->rows]
@@ -88,6 +94,7 @@ class CpuBackend final : public Backend {
   int max_batch() const override { return max_batch_; }
   int n_seq() const override { return n_seq_; }
   void forward(const Batch& batch, float* logits) override;
+  void forward_greedy(const Batch& batch, int64_t n_vocab, int32_t* tokens) override;
   void clear_sequence(int seq) override;
   int kv_block_size() const override { return block_size_; }
   int n_kv_blocks() const override { return n_blocks_; }
@@ -96,6 +103,9 @@ class CpuBackend final : public Backend {
 
  private:
   void validate(const Batch& batch) const;
+  void run_layers(const Batch& batch);  // validate, embed, every layer: x_ holds the final hidden states
+  bool greedy_screened(const Batch& batch, int32_t* tokens);
+  int32_t screened_token(int64_t t, const float* screen, int thread);
   void embed(const Batch& batch);
   void attention_block(int layer, const Batch& batch);
   void ffn_block(int layer, int64_t n);
@@ -110,6 +120,13 @@ class CpuBackend final : public Backend {
   // Byte offset of head `head`'s K/V slice in a cached row (heads share a K/V head under GQA).
   size_t kv_head_offset(int64_t head) const {
     return (size_t)(head / (c_.n_heads / c_.n_kv_heads)) * kv_head_bytes_;
+  }
+  // Asks for the head slices (kv_head_bytes_ at p) of n consecutive cached rows: the next block's, requested
+  // while this one is computed. A block's rows for one head are a kv_row_bytes_ stride apart, which the hardware
+  // prefetchers did not follow across a many-sequence step whose K/V do not fit in the caches.
+  void prefetch_slice(const uint8_t* p, int n) const {
+    for (int r = 0; r < n; ++r, p += kv_row_bytes_)
+      for (size_t b = 0; b < kv_head_bytes_; b += 64) __builtin_prefetch(p + b, 0, 3);
   }
   void accumulate_values(const uint8_t* v0, const float* w, int n, float* out, int thread);
   void store_kv_row(const float* src, uint8_t* dst);
@@ -149,7 +166,20 @@ class CpuBackend final : public Backend {
   std::vector<uint8_t> act_buf_, qact_;         // qact_: per-thread q in the score kernel's format
   std::vector<float> row_;                      // per thread: one fused input row (max(dim, ffn_dim) floats)
   std::vector<float> rope_cs_;                  // per thread: cos/sin of a position's RoPE angles
+  AlignedArray<float> greedy_logits_;           // forward_greedy's logits rows (kept between calls)
+  size_t greedy_logits_size_ = 0;
+  // Greedy screening of a float output head (kernels/cpu/head_screen.h), for backends of many sequences.
+  const kernels::HeadScreen* screen_ = nullptr;
+  AlignedArray<uint8_t> screen_w_;              // the head's rows in int8, packed
+  std::vector<float> screen_scale_, screen_err_, screen_hull_;  // per output row (head_screen.h)
+  std::vector<int8_t> screen_x_;                // the step's final hidden states in int8
+  std::vector<kernels::ScreenToken> screen_tok_;  // and their scales and bound factors
+  std::vector<float> screen_x_scale_;
+  std::vector<int32_t> screen_x_sum_;
+  std::vector<float> screen_exact_;             // per thread: a row of exact logits (candidates only)
+  std::vector<int32_t> screen_cand_;            // per thread: candidate rows
   bool fuse_;                                   // MERLIN_FUSE=0: materialise inputs, then quantize (A/B runs)
+  bool prefetch_;                               // MERLIN_KV_PREFETCH=0: no software prefetch of K/V (A/B runs)
 };
 
 CpuBackend::CpuBackend(const Model& model, const BackendOptions& opts)
@@ -204,6 +234,38 @@ CpuBackend::CpuBackend(const Model& model, const BackendOptions& opts)
   rope_cs_.resize(nt * ((size_t)c_.rot_dims() + 2));
   const char* fuse = std::getenv("MERLIN_FUSE");
   fuse_ = fuse == nullptr || std::strcmp(fuse, "0") != 0;
+  const char* prefetch = std::getenv("MERLIN_KV_PREFETCH");
+  prefetch_ = prefetch == nullptr || std::strcmp(prefetch, "0") != 0;
+  // The screen costs an int8 copy of the head (vocab x dim bytes: half an F16 head again), so only backends that
+  // decode many sequences at once (a server) make one; MERLIN_HEAD_SCREEN=0 turns it off (A/B runs). Float heads
+  // only: a quantized head's kernel is already int8 (VNNI), and a Q4_0 screen measured no faster than it.
+  const char* screen = std::getenv("MERLIN_HEAD_SCREEN");
+  const Weight& out = m_.output();
+  if (n_seq_ >= kScreenMinRows && (screen == nullptr || std::strcmp(screen, "0") != 0) && out.cols == c_.dim &&
+      out.rows == c_.vocab_size && c_.dim % 4 == 0 && c_.dim <= 1024 && c_.vocab_size >= 4096 &&
+      kt_.matmul(out.type)->rows != nullptr && kt_.matmul(out.type)->act_type == DType::F32) {
+    if (const kernels::HeadScreen* hs = kernels::head_screen()) {
+      screen_w_ = aligned_array<uint8_t>(hs->bytes(out.rows, out.cols));
+      screen_scale_.resize((size_t)out.rows);
+      screen_err_.resize((size_t)out.rows);
+      screen_hull_.resize((size_t)out.rows);
+      hs->prepare(screen_w_.get(), out.rows, out.cols);
+      std::vector<float> row((size_t)out.cols);
+      bool ok = true;
+      for (int64_t r = 0; r < out.rows && ok; ++r) {
+        kernels::dequantize_row(out.type, out.row(r), row.data(), out.cols);
+        ok = hs->pack_row(row.data(), r, out.cols, screen_w_.get(), screen_scale_.data(), screen_err_.data(),
+                          screen_hull_.data());
+      }
+      if (ok) {
+        screen_ = hs;
+        screen_exact_.resize(nt * (size_t)out.rows);
+        screen_cand_.resize(nt * (size_t)kScreenMaxCandidates);
+      } else {
+        screen_w_.reset();
+      }
+    }
+  }
 }
 
 void CpuBackend::identity_table(int seq) {
@@ -246,7 +308,7 @@ void CpuBackend::validate(const Batch& batch) const {
   }
 }
 
-void CpuBackend::forward(const Batch& batch, float* logits) {
+void CpuBackend::run_layers(const Batch& batch) {
   validate(batch);
   const int64_t n = (int64_t)batch.size();
   embed(batch);
@@ -254,7 +316,117 @@ void CpuBackend::forward(const Batch& batch, float* logits) {
     attention_block(l, batch);
     ffn_block(l, n);
   }
+}
+
+void CpuBackend::forward(const Batch& batch, float* logits) {
+  run_layers(batch);
   output_head(batch, logits);
+}
+
+// Logits into a buffer kept between calls (the default allocated and zeroed a fresh vocab-sized vector per
+// token), then the rows' argmaxes spread over the threads: a 32-sequence server step has 32 x 50K logits to
+// scan, which on the calling thread alone left the other cores waiting. With a head screen (a backend of many
+// sequences, a float head, AVX-512) a step of kScreenMinRows or more rows picks its tokens through it instead:
+// the same ids in a fraction of the head's time.
+void CpuBackend::forward_greedy(const Batch& batch, int64_t n_vocab, int32_t* tokens) {
+  const size_t n = batch.n_logits(), need = n * (size_t)n_vocab;
+  if (greedy_logits_size_ < need) {
+    greedy_logits_ = aligned_array<float>(need);
+    greedy_logits_size_ = need;
+  }
+  float* logits = greedy_logits_.get();
+  if (screen_ != nullptr && n >= (size_t)kScreenMinRows && n_vocab == c_.vocab_size) {
+    run_layers(batch);
+    if (greedy_screened(batch, tokens)) return;
+    output_head(batch, logits);  // not reached for finite inputs; the exact path as a safety net
+  } else {
+    forward(batch, logits);
+  }
+  if (n == 1) {
+    tokens[0] = kt_.argmax(logits, n_vocab);
+    return;
+  }
+  pool_.for_chunks((int64_t)n, 1, [&](int, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) tokens[r] = kt_.argmax(logits + (size_t)r * n_vocab, n_vocab);
+  });
+}
+
+// The output head through the screen: approximate logits for every row (int8 products), then per token the
+// exact logits (the head kernel's, the same bits as output_head's) of the rows whose bound reaches the largest
+// lower bound; every other row's exact logit is below some candidate's, so it can be neither the maximum nor
+// tied with it. False (nothing decided) when a hidden state is not finite.
+bool CpuBackend::greedy_screened(const Batch& batch, int32_t* tokens) {
+  const int64_t k = c_.dim, V = c_.vocab_size;
+  int64_t n_out = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (!batch.want_logits[i]) continue;
+    kt_.rmsnorm(&x_[i * k], m_.output_norm().data(), k, c_.norm_eps, &xn_[n_out * k]);
+    ++n_out;
+  }
+  screen_x_.resize((size_t)(n_out * k));
+  screen_tok_.resize((size_t)n_out);
+  screen_x_scale_.resize((size_t)n_out);
+  screen_x_sum_.resize((size_t)n_out);
+  for (int64_t t = 0; t < n_out; ++t) {
+    // The head kernel multiplies x itself (float activations): no activation error to add.
+    if (!kernels::screen_quantize(&xn_[t * k], k, 0.0, &screen_x_[(size_t)(t * k)], &screen_tok_[(size_t)t]))
+      return false;
+    screen_x_scale_[(size_t)t] = screen_tok_[(size_t)t].scale;
+    screen_x_sum_[(size_t)t] = screen_tok_[(size_t)t].sum;
+  }
+  float* screen = greedy_logits_.get();
+  const int64_t groups = (V + 15) / 16;
+  pool_.for_chunks(groups, std::max<int64_t>(1, groups / (8 * pool_.size())), [&](int, int64_t g0, int64_t g1) {
+    screen_->rows(screen_w_.get(), screen_scale_.data(), g0 * 16, std::min(V, g1 * 16), screen_x_.data(), (size_t)k,
+                  screen_x_scale_.data(), screen_x_sum_.data(), n_out, k, screen, V);
+  });
+  pool_.for_chunks(n_out, 1, [&](int thread, int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) tokens[t] = screened_token(t, screen + t * V, thread);
+  });
+  return true;
+}
+
+int32_t CpuBackend::screened_token(int64_t t, const float* a, int thread) {
+  const int64_t k = c_.dim, V = c_.vocab_size;
+  const Weight& w = m_.output();
+  const kernels::MatmulKernel* kern = kt_.matmul(w.type);
+  const float* x = &xn_[t * k];
+  float* exact = &screen_exact_[(size_t)thread * (size_t)V];
+  auto exact_rows = [&](int64_t r0, int64_t r1) {  // exact[r0, r1): the head kernel on this token alone
+    if (w.packed != nullptr && w.packed_kernel == kern->packed)
+      w.packed_kernel->rows(w.packed, 0, r0, r1, x, (size_t)k * sizeof(float), 1, k, exact, V);
+    else
+      kern->rows(w.data, w.row_bytes, r0, r1, x, (size_t)k * sizeof(float), 1, k, exact, V);
+  };
+  const float ex = screen_tok_[(size_t)t].bound_x, ey = screen_tok_[(size_t)t].bound_y;
+  // The largest lower bound, then the rows whose upper bound reaches it; a NaN screen value (not expected for
+  // finite inputs) or too many candidates send the token to the exact path.
+  const float lo = screen_->lower_max(a, screen_err_.data(), screen_hull_.data(), ex, ey, V);
+  int32_t* cand = &screen_cand_[(size_t)(thread * kScreenMaxCandidates)];
+  const int64_t n_cand =
+      std::isfinite(lo)
+          ? screen_->candidates(a, screen_err_.data(), screen_hull_.data(), ex, ey, lo, V, cand, kScreenMaxCandidates)
+          : -1;
+  const bool fits = n_cand >= 1 && n_cand <= kScreenMaxCandidates;
+  if (fits) {
+    int32_t best = -1;
+    int64_t done = -1;  // the 16-row unit computed last (a packed layout's rows come in groups of 16)
+    for (int64_t i = 0; i < n_cand; ++i) {
+      const int32_t r = cand[i];
+      if (r / 16 != done) {
+        done = r / 16;
+        exact_rows(done * 16, std::min(V, done * 16 + 16));
+      }
+      if (exact[r] != exact[r]) {
+        best = -1;
+        break;
+      }
+      if (best < 0 || exact[r] > exact[best]) best = r;  // candidates ascend: ties keep the lowest id
+    }
+    if (best >= 0) return best;
+  }
+  exact_rows(0, V);  // the whole row, exactly, then argmax() as usual
+  return kt_.argmax(exact, V);
 }
 
 void CpuBackend::embed(const Batch& batch) {
@@ -499,9 +671,17 @@ void CpuBackend::attend(int layer, const Batch& batch, int64_t t0, int64_t nt, i
     const uint8_t* k0 = k_layer + (size_t)table[(size_t)(p0 / block_size_)] * block_bytes;
     // F16: the same bits through the kernel shaped for a block of positions (scores_f16).
     const auto rows = kv_type_ == DType::F16 ? kt_.scores_f16 : score_kernel_->rows;
-    for (int64_t j = 0; j < nh; ++j)
+    // What the next block of this loop (or, after the last, the value pass's first) reads, one head slice at a
+    // time, requested while this block is computed.
+    const int p_next = p0 + block_size_;
+    const uint8_t* next = p_next < n_pos ? k_layer + (size_t)table[(size_t)(p_next / block_size_)] * block_bytes
+                                         : v_cache_[layer].get() + (size_t)table[0] * block_bytes;
+    const int n_next = p_next < n_pos ? std::min(block_size_, n_pos - p_next) : std::min(block_size_, n_pos);
+    for (int64_t j = 0; j < nh; ++j) {
+      if (prefetch_) prefetch_slice(next + kv_head_offset(h0 + j), n_next);
       rows(k0 + kv_head_offset(h0 + j), kv_row_bytes_, 0, n, x + j * x_head, x_bytes, nt, hd,
            scores + j * nt * n_ctx_ + p0, n_ctx_);
+    }
   }
   weigh_values(layer, batch, t0, nt, h0, h1, scores, thread);
 }
@@ -531,11 +711,27 @@ void CpuBackend::weigh_values(int layer, const Batch& batch, int64_t t0, int64_t
   const size_t block_bytes = (size_t)block_size_ * kv_row_bytes_;
   const uint8_t* v_layer = v_cache_[layer].get();
   const size_t ldv = kv_row_bytes_ / sizeof(uint16_t);
+  // A decode token's heads (one K/V head each) read the same V rows: one call per block sums them all, a row's
+  // FMA chains of every head interleaved (per element the same operations in position order as head by head).
+  const bool heads_at_once = kv_type_ == DType::F16 && nt == 1 && nh > 1 && c_.n_heads == c_.n_kv_heads;
   for (int p0 = 0; p0 < n_all; p0 += block_size_) {
     const int n = std::min(block_size_, n_all - p0);
     const uint8_t* v_block = v_layer + (size_t)table[(size_t)(p0 / block_size_)] * block_bytes;
+    const int p_next = p0 + block_size_;
+    const uint8_t* v_next =
+        p_next < n_all ? v_layer + (size_t)table[(size_t)(p_next / block_size_)] * block_bytes : nullptr;
+    const int n_next = std::min(block_size_, n_all - p_next);
+    if (heads_at_once) {
+      if (prefetch_ && v_next != nullptr)
+        for (int64_t j = 0; j < nh; ++j) prefetch_slice(v_next + kv_head_offset(h0 + j), n_next);
+      kt_.axpy_f16_heads(scores + p0, (size_t)n_ctx_, nh,
+                         reinterpret_cast<const uint16_t*>(v_block + kv_head_offset(h0)), ldv, n,
+                         &att_[t0 * q_dim_ + h0 * hd], hd);
+      continue;
+    }
     for (int64_t j = 0; j < nh; ++j) {
       const int64_t head = h0 + j;
+      if (prefetch_ && v_next != nullptr) prefetch_slice(v_next + kv_head_offset(head), n_next);
       const uint8_t* v0 = v_block + kv_head_offset(head);
       const float* sc = scores + j * nt * n_ctx_;
       int own = 0;  // first row of the block that is not shared by the whole group

@@ -93,6 +93,7 @@ Scheduler::Scheduler(const Model& model, Backend& backend, const EngineOptions& 
   opts_.max_batch_tokens = std::min(opts_.max_batch_tokens, backend.max_batch());
   slot_used_.assign((size_t)opts_.max_sequences, 0);
   logits_.resize((size_t)std::min(opts_.max_sequences, opts_.max_batch_tokens) * (size_t)vocab_);
+  greedy_tokens_.resize((size_t)std::min(opts_.max_sequences, opts_.max_batch_tokens));
   seed_counter_ = std::random_device{}();
   seed_counter_ = (seed_counter_ << 32) ^ std::random_device{}();
   // Every slot starts unmapped: only blocks this scheduler hands out are ever written.
@@ -287,15 +288,37 @@ void Scheduler::add_tokens(Sequence& s, int n) {
   s.in_batch = true;
 }
 
+// Every row that samples takes the plain argmax (temperature 0, no penalties, no logprobs): then the backend
+// picks the tokens itself (forward_greedy: the CPU backend screens its output head and spreads the argmaxes
+// over its threads, a GPU copies back ids instead of logits). The same token as RequestSampler's
+// greedy_token: the first index of the largest logit.
+bool Scheduler::greedy_step() const {
+  for (const Row& r : rows_) {
+    if (!r.logits) continue;
+    const SamplingParams& p = r.seq->request().sampling;
+    if (p.temperature > 0 || p.presence_penalty != 0 || p.frequency_penalty != 0 || p.top_logprobs >= 0) return false;
+  }
+  return true;
+}
+
 void Scheduler::run_batch() {
+  const bool greedy = greedy_step();
   try {
-    backend_.forward(batch_, logits_.data());
+    if (greedy)
+      backend_.forward_greedy(batch_, vocab_, greedy_tokens_.data());
+    else
+      backend_.forward(batch_, logits_.data());
   } catch (const std::exception& e) {
     fail_batch(e.what());
     return;
   }
   const float* row = logits_.data();
+  const int32_t* token = greedy_tokens_.data();
   for (const Row& r : rows_) {
+    if (greedy) {
+      after_forward(*r.seq, r.n_fed, nullptr, r.logits ? *token++ : -1);
+      continue;
+    }
     after_forward(*r.seq, r.n_fed, r.logits ? row : nullptr);
     if (r.logits) row += vocab_;
   }
@@ -307,10 +330,16 @@ void Scheduler::run_batch() {
       dt > 0 ? (double)(stats_.generated_tokens - rate_window_.front().second) / dt : 0.0;
 }
 
-void Scheduler::after_forward(Sequence& s, int n_fed, const float* logits) {
+void Scheduler::after_forward(Sequence& s, int n_fed, const float* logits, int32_t token) {
   s.n_computed += n_fed;
   register_full_blocks(s);
-  if (logits) sample(s, logits);
+  if (logits) {
+    sample(s, logits);
+  } else if (token >= 0) {
+    TokenEvent ev;
+    ev.token = token;
+    emit(s, std::move(ev));
+  }
 }
 
 void Scheduler::register_full_blocks(Sequence& s) {
@@ -339,6 +368,11 @@ void Scheduler::sample(Sequence& s, const float* logits) {
   ev.token = s.sampler.sample(logits, vocab_);
   if (req.sampling.top_logprobs >= 0)
     ev.logprob = token_logprob(logits, vocab_, ev.token, req.sampling.top_logprobs, &ev.top_logprobs);
+  emit(s, std::move(ev));
+}
+
+void Scheduler::emit(Sequence& s, TokenEvent ev) {
+  const GenerationRequest& req = s.request();
   if (req.stop_at_eos && ev.token == eos_) {
     finish(s, final_event(FinishReason::Stop));  // EOS ends the text; it is not part of it
     return;

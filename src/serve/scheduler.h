@@ -101,8 +101,11 @@ class Scheduler {
   void preempt(Sequence& s);
   void add_tokens(Sequence& s, int n);
   void run_batch();
-  void after_forward(Sequence& s, int n_fed, const float* logits);
+  // logits: the row's logits, or null with `token` the backend's greedy pick (or -1: no row).
+  void after_forward(Sequence& s, int n_fed, const float* logits, int32_t token = -1);
   void sample(Sequence& s, const float* logits);
+  void emit(Sequence& s, TokenEvent ev);  // the sampled token: append, stream, finish
+  bool greedy_step() const;
   void register_full_blocks(Sequence& s);
   size_t events_per_wakeup() const;
   void finish(Sequence& s, TokenEvent last);
@@ -130,6 +133,7 @@ class Scheduler {
   };
   std::vector<Row> rows_;
   std::vector<float> logits_;
+  std::vector<int32_t> greedy_tokens_;  // forward_greedy's ids when every row of the step samples greedily
   EngineStats stats_;
   std::deque<std::pair<double, uint64_t>> rate_window_;  // (time, generated tokens) per recent step
 };

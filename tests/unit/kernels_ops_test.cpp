@@ -9,6 +9,7 @@
 #include <ostream>
 #include <random>
 #include <string>
+#include <limits>
 #include <vector>
 
 #include "core/cpu_features.h"
@@ -140,6 +141,56 @@ TEST_P(OpsLevelTest, AxpyF16RowsEqualsRepeatedAxpyF16) {
         for (int64_t v = 0; v < n_vec; ++v)
           for (int64_t p = 0; p < rows; ++p) table().axpy_f16(a[v * lda + p], x.data() + p * ldx, &y1[v * ldy], n);
         table().axpy_f16_rows(a.data(), lda, n_vec, x.data(), ldx, rows, y2.data(), ldy, n);
+        for (size_t i = 0; i < y1.size(); ++i) ASSERT_EQ(y1[i], y2[i]) << i;
+      }
+}
+
+// argmax: the scalar loop's index (first of the largest, NaNs never win, a NaN at 0 gives 0) for lengths around
+// the 16-lane vectors and 256-element blocks, ties inside and across blocks, signed zeros and infinities.
+TEST_P(OpsLevelTest, ArgmaxEqualsScalar) {
+  SKIP_IF_UNAVAILABLE(GetParam());
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (int64_t n : {0, 1, 2, 15, 16, 17, 255, 256, 257, 1000, 50257}) {
+    for (int variant = 0; variant < 9; ++variant) {
+      SCOPED_TRACE("n=" + std::to_string(n) + " variant=" + std::to_string(variant));
+      std::vector<float> x = random_vec(std::max<int64_t>(n, 1), -3, 3, rng);
+      const int64_t a = n > 0 ? (int64_t)(rng() % (uint32_t)n) : 0;
+      const int64_t b = n > 0 ? (int64_t)(rng() % (uint32_t)n) : 0;
+      switch (variant) {
+        case 1: x[a] = x[b] = 9.0f; break;                                  // a tie
+        case 2: x[0] = nan; break;                                          // NaN in front
+        case 3: x[a] = nan; x[b] = 5.0f; break;                            // NaN elsewhere
+        case 4: std::fill(x.begin(), x.end(), -inf); break;                 // nothing above -inf
+        case 5: std::fill(x.begin(), x.end(), nan); break;
+        case 6: for (float& v : x) v = -std::fabs(v); x[a] = -0.0f; x[b] = 0.0f; break;  // signed zeros
+        case 7: x[a] = inf; x[b] = inf; break;
+        case 8: std::fill(x.begin(), x.end(), 1.0f); break;                 // all equal
+        default: break;
+      }
+      ASSERT_EQ(table().argmax(x.data(), n), ref().argmax(x.data(), n));
+    }
+  }
+}
+
+// The several-heads version must equal, bit for bit, one axpy_f16 call per (head, row) at the same level, for
+// head sizes on and off its 16-column vectors, head counts around its 8-vector tile, a row stride wider than
+// the heads, and a head's weights a stride apart.
+TEST_P(OpsLevelTest, AxpyF16HeadsEqualsRepeatedAxpyF16) {
+  SKIP_IF_UNAVAILABLE(GetParam());
+  for (int64_t hd : {16, 20, 32, 64, 128})
+    for (int64_t rows : {0, 1, 5, 16})
+      for (int64_t heads : {1, 3, 8, 12}) {
+        SCOPED_TRACE("hd=" + std::to_string(hd) + " rows=" + std::to_string(rows) + " heads=" + std::to_string(heads));
+        const size_t ldx = (size_t)(heads * hd) + 24, lda = (size_t)rows + 7;
+        std::vector<float> xf = random_vec((int64_t)ldx * std::max<int64_t>(rows, 1), -2, 2, rng);
+        std::vector<uint16_t> x(xf.size());
+        for (size_t i = 0; i < x.size(); ++i) x[i] = f32_to_fp16(xf[i]);
+        std::vector<float> a = random_vec((int64_t)lda * heads, 0, 1, rng);
+        std::vector<float> y1 = random_vec(heads * hd + 3, -1, 1, rng), y2 = y1;
+        for (int64_t j = 0; j < heads; ++j)
+          for (int64_t p = 0; p < rows; ++p)
+            table().axpy_f16(a[j * lda + p], x.data() + p * ldx + j * hd, &y1[(size_t)(j * hd)], hd);
+        table().axpy_f16_heads(a.data(), lda, heads, x.data(), ldx, rows, y2.data(), hd);
         for (size_t i = 0; i < y1.size(); ++i) ASSERT_EQ(y1[i], y2[i]) << i;
       }
 }

@@ -8,6 +8,7 @@
 #include "runtime/backend.h"
 #include "runtime/generate.h"
 #include "runtime/model.h"
+#include "runtime/quantize_model.h"
 #include "logits_test_util.h"
 #include "test_util.h"
 
@@ -168,7 +169,7 @@ TEST(Generate, KvCacheAndNoCacheGiveSameTokens) {
   EXPECT_FALSE(with.empty());
 }
 
-// Backend::forward_greedy's default (the CPU backend uses it): the argmax of each logits row forward() gives,
+// Backend::forward_greedy (the CPU backend's, for few rows): the argmax of each logits row forward() gives,
 // in batch order, for the rows that want logits only.
 TEST(Generate, ForwardGreedyDefaultIsArgmaxOfLogits) {
   auto m = Model::load(std::string(MERLIN_SOURCE_DIR) + "/models/merlin-default.gguf");
@@ -184,4 +185,50 @@ TEST(Generate, ForwardGreedyDefaultIsArgmaxOfLogits) {
   std::vector<int32_t> ids(b.n_logits(), -1);
   backend->forward_greedy(b, vocab, ids.data());  // same positions again: overwrites the same K/V rows
   for (size_t r = 0; r < ids.size(); ++r) EXPECT_EQ(ids[r], argmax(logits.data() + r * (size_t)vocab, vocab));
+}
+
+// A backend of many sequences picks the ids of a many-row step through the output-head screen (on an AVX-512
+// CPU; elsewhere the exact path): still the argmax of forward()'s logits, row for row, over several decode steps
+// of 32 sequences (the server's greedy step), with some rows not asking for logits. The default model's F16 head
+// (screened) and the same model in Q4_0 (a tied, repacked head: the exact product, then the parallel argmax).
+static void check_greedy_of_many_sequences(const std::string& path) {
+  auto m = Model::load(path);
+  BackendOptions bo;
+  bo.n_threads = 2;
+  bo.n_seq = 32;
+  auto backend = make_cpu_backend(*m, bo);
+  const int64_t vocab = m->config().vocab_size;
+  std::vector<int32_t> next(32);
+  for (int s = 0; s < 32; ++s) next[(size_t)s] = 50 + 31 * s;
+  for (int step = 0; step < 6; ++step) {
+    Batch b;
+    for (int s = 0; s < 32; ++s) b.add(next[(size_t)s], step, s, step != 2 || s % 5 != 0);
+    std::vector<float> logits(b.n_logits() * (size_t)vocab);
+    backend->forward(b, logits.data());
+    std::vector<int32_t> ids(b.n_logits(), -1);
+    backend->forward_greedy(b, vocab, ids.data());  // same positions again: overwrites the same K/V rows
+    size_t row = 0;
+    for (int s = 0; s < 32; ++s) {
+      if (!b.want_logits[(size_t)s]) continue;
+      const int32_t want = argmax(logits.data() + row * (size_t)vocab, vocab);
+      ASSERT_EQ(ids[row], want) << "step " << step << " sequence " << s;
+      next[(size_t)s] = want;
+      ++row;
+    }
+  }
+}
+
+TEST(Generate, ForwardGreedyOfManySequencesIsArgmaxOfLogits) {
+  check_greedy_of_many_sequences(std::string(MERLIN_SOURCE_DIR) + "/models/merlin-default.gguf");
+}
+
+TEST(Generate, ForwardGreedyOfManySequencesIsArgmaxOfLogitsQuantizedHead) {
+  test::TempDir dir;
+  const std::string q4 = dir.file("default-q4_0.gguf");
+  QuantizeOptions qo;
+  qo.type = DType::Q4_0;
+  qo.n_threads = 2;
+  qo.progress = false;
+  quantize_model(std::string(MERLIN_SOURCE_DIR) + "/models/merlin-default.gguf", q4, qo);
+  check_greedy_of_many_sequences(q4);
 }

@@ -61,6 +61,12 @@ struct KernelTable {
   // each x row is widened once (attention's weighted sums of an F16 V cache for a group of tokens).
   void (*axpy_f16_rows)(const float* a, size_t lda, int64_t n_vec, const uint16_t* x, size_t ldx, int64_t n_rows,
                         float* y, size_t ldy, int64_t n);
+  // Several heads of one token: for j < n_heads, y[j * hd + c] += a[j * lda + p] * x[p * ldx + j * hd + c] for
+  // c < hd and p = 0..n_rows-1 in order, per element the operations of axpy_f16 (so the bits of one
+  // axpy_f16_rows call per head). A decode token's weighted sum of an F16 V block for all its heads at once: a
+  // head of 32 or 64 values alone has two or four FMA chains, each row's FMA waiting on the previous one's.
+  void (*axpy_f16_heads)(const float* a, size_t lda, int64_t n_heads, const uint16_t* x, size_t ldx, int64_t n_rows,
+                         float* y, int64_t hd);
   // axpy_f16_rows for a Q8_0 x: rows of n elements (a whole number of 34-byte blocks) ldx bytes apart. Per
   // element the operations of dequantize_row (d * q) followed by axpy, row by row in order, so the same bits
   // as n_rows (dequantize_row, axpy) pairs; each row is dequantized once for all n_vec outputs.
@@ -82,6 +88,9 @@ struct KernelTable {
   // in-register transpose-and-add tree instead of one reduction per four outputs.
   void (*scores_f16)(const void* w, size_t w_row_bytes, int64_t r0, int64_t r1, const void* x, size_t x_row_bytes,
                      int64_t n_tokens, int64_t k, float* y, int64_t ldy);
+  // The first index of the largest of x[0, n) (greedy sampling): runtime's argmax(), NaNs never win and a NaN
+  // at index 0 gives 0; 0 for n <= 0.
+  int32_t (*argmax)(const float* x, int64_t n);
 };
 
 const KernelTable& kernels_for(KernelLevel level);

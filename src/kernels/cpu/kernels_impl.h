@@ -40,13 +40,16 @@ enum ScratchSlot : int { kScratchPackedW = 0, kScratchWeightRow = 1, kScratchRop
   void axpy_f16(float a, const uint16_t* x, float* y, int64_t n);                 \
   void axpy_f16_rows(const float* a, size_t lda, int64_t n_vec, const uint16_t* x, size_t ldx, int64_t n_rows,     \
                      float* y, size_t ldy, int64_t n);                                                             \
+  void axpy_f16_heads(const float* a, size_t lda, int64_t n_heads, const uint16_t* x, size_t ldx, int64_t n_rows,  \
+                      float* y, int64_t hd);                                                                       \
   void axpy_q8_0_rows(const float* a, size_t lda, int64_t n_vec, const uint8_t* x, size_t ldx, int64_t n_rows,     \
                       float* y, size_t ldy, int64_t n);                                                            \
   void quantize_q8_0(const float* x, uint8_t* y, int64_t n);                      \
   void round_f16(const float* x, float* y, int64_t n);                             \
   void to_f16(const float* x, uint16_t* y, int64_t n);                             \
   void rope(float* x, int64_t n_heads, int64_t head_dim, int64_t n_rot, const float* cs, uint16_t* f16);  \
-  void scores_f16(MERLIN_MATMUL_ARGS);
+  void scores_f16(MERLIN_MATMUL_ARGS);                                             \
+  int32_t argmax(const float* x, int64_t n);
 
 }  // namespace merlin::kernels::detail
 

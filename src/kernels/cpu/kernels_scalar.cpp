@@ -88,6 +88,12 @@ void axpy_f16_rows(const float* a, size_t lda, int64_t n_vec, const uint16_t* x,
     for (int64_t p = 0; p < n_rows; ++p) axpy_f16(a[v * lda + p], x + (size_t)p * ldx, y + v * ldy, n);
 }
 
+// One axpy_f16_rows call per head.
+void axpy_f16_heads(const float* a, size_t lda, int64_t n_heads, const uint16_t* x, size_t ldx, int64_t n_rows,
+                    float* y, int64_t hd) {
+  for (int64_t j = 0; j < n_heads; ++j) axpy_f16_rows(a + j * lda, 0, 1, x + j * hd, ldx, n_rows, y + j * hd, 0, hd);
+}
+
 void quantize_q8_0(const float* x, uint8_t* y, int64_t n) { quant_quantize_row(DType::Q8_0, x, y, n); }
 
 // Each row dequantized once (dequantize_row's d * q), then axpy into every output.
@@ -133,6 +139,13 @@ void softmax(float* x, int64_t n) {
   }
   const float inv = (float)(1.0 / sum);
   for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+}
+
+int32_t argmax(const float* x, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 1; i < n; ++i)
+    if (x[i] > x[best]) best = i;
+  return (int32_t)best;
 }
 
 }  // namespace merlin::kernels::scalar

@@ -119,6 +119,12 @@ void axpy_f16_rows(const float* a, size_t lda, int64_t n_vec, const uint16_t* x,
     for (int64_t p = 0; p < n_rows; ++p) axpy_f16(a[v * lda + p], x + (size_t)p * ldx, y + v * ldy, n);
 }
 
+// One axpy_f16_rows call per head.
+void axpy_f16_heads(const float* a, size_t lda, int64_t n_heads, const uint16_t* x, size_t ldx, int64_t n_rows,
+                    float* y, int64_t hd) {
+  for (int64_t j = 0; j < n_heads; ++j) axpy_f16_rows(a + j * lda, 0, 1, x + j * hd, ldx, n_rows, y + j * hd, 0, hd);
+}
+
 void quantize_q8_0(const float* x, uint8_t* y, int64_t n) { quant_quantize_row(DType::Q8_0, x, y, n); }
 
 // Each row dequantized once (the reference dequantize_row), then axpy into every output.
@@ -195,5 +201,7 @@ void softmax(float* x, int64_t n) {
 }
 
 void scores_f16(MERLIN_MATMUL_ARGS) { matmul_f16(w, w_row_bytes, r0, r1, x, x_row_bytes, n_tokens, k, y, ldy); }
+
+int32_t argmax(const float* x, int64_t n) { return scalar::argmax(x, n); }
 
 }  // namespace merlin::kernels::avx2

@@ -136,6 +136,51 @@ void axpy_f16_rows(const float* a, size_t lda, int64_t n_vec, const uint16_t* x,
 
 namespace {
 
+// NV vectors of 16 columns of the heads' concatenated outputs (a head of hd % 16 == 0 columns spans hd / 16 of
+// them), every row's weights broadcast from its head's row of a: NV independent FMA chains.
+template <int NV>
+void axpy_f16_heads_tile(const float* a, size_t lda, const uint16_t* x, size_t ldx, int64_t n_rows, float* y,
+                         int64_t hd, int64_t c0) {
+  const float* ap[NV];
+  __m512 acc[NV];
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; ++v) {
+    ap[v] = a + ((c0 + 16 * v) / hd) * lda;
+    acc[v] = _mm512_loadu_ps(y + c0 + 16 * v);
+  }
+  for (int64_t p = 0; p < n_rows; ++p) {
+    const uint16_t* xp = x + (size_t)p * ldx + c0;
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+      const __m512 xv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 16 * v)));
+      acc[v] = _mm512_fmadd_ps(_mm512_set1_ps(ap[v][p]), xv, acc[v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; ++v) _mm512_storeu_ps(y + c0 + 16 * v, acc[v]);
+}
+
+}  // namespace
+
+void axpy_f16_heads(const float* a, size_t lda, int64_t n_heads, const uint16_t* x, size_t ldx, int64_t n_rows,
+                    float* y, int64_t hd) {
+  if (hd % 16 != 0) {
+    for (int64_t j = 0; j < n_heads; ++j) axpy_f16_rows(a + j * lda, 0, 1, x + j * hd, ldx, n_rows, y + j * hd, 0, hd);
+    return;
+  }
+  using Fn = void (*)(const float*, size_t, const uint16_t*, size_t, int64_t, float*, int64_t, int64_t);
+  static constexpr Fn kTiles[8] = {&axpy_f16_heads_tile<1>, &axpy_f16_heads_tile<2>, &axpy_f16_heads_tile<3>,
+                                   &axpy_f16_heads_tile<4>, &axpy_f16_heads_tile<5>, &axpy_f16_heads_tile<6>,
+                                   &axpy_f16_heads_tile<7>, &axpy_f16_heads_tile<8>};
+  const int64_t n_vecs = n_heads * hd / 16;
+  for (int64_t v = 0; v < n_vecs; v += 8) {
+    const int64_t nv = n_vecs - v < 8 ? n_vecs - v : 8;
+    kTiles[nv - 1](a, lda, x, ldx, n_rows, y, hd, 16 * v);
+  }
+}
+
+namespace {
+
 // Q8_0 rows (34-byte blocks: fp16 scale d, 32 int8 q), CW vectors (CW / 2 blocks) of columns [c, c + 16 CW) for
 // V outputs held in registers. Each row's values d * q are formed once (dequantize_row's product; int8 -> float
 // is exact), then every output takes axpy's fmadd(a, x, y): per element the bits of dequantize_row + axpy.
@@ -301,47 +346,39 @@ void softmax(float* x, int64_t n) {
 
 namespace {
 
-// scores_f16 for k = 64 NS: rows [r, r + 16) (nr of them real), widened once into wf, then per token each
-// row's four chains (acc_u = fma over s of w[64 s + 16 u ..] * x[..], from zero) summed ((a0 + a1) + a2) + a3
-// as matmul_f16's row_dots, and the 16 sums reduced together: lane i of the result is, for its row,
-// h_l = s[l] + s[l + 8], then ((h0 + h1) + (h2 + h3)) + ((h4 + h5) + (h6 + h7)), matmul's reduce4 tree (each
-// add is the same pair of values, so the same bits). Rows 0-3 / 4-7 are paired so the lanes come out in order.
-template <int NS>
+// scores_f16 for k = 64 NS + 16 TL: rows [r, r + 16) (nr of them real), then per token each row's four chains
+// (acc_u = fma over s of w[64 s + 16 u ..] * x[..], from zero; then the TL 16-wide tail chunks into acc_0, as
+// matmul_f16's row_dots does) summed ((a0 + a1) + a2) + a3 as row_dots does, and the 16 sums reduced together:
+// lane i of the result is, for its row, h_l = s[l] + s[l + 8], then ((h0 + h1) + (h2 + h3)) + ((h4 + h5) +
+// (h6 + h7)), matmul's reduce4 tree (each add is the same pair of values, so the same bits). Rows 0-3 / 4-7
+// are paired so the lanes come out in order. Several tokens: the rows are widened once into wf and reused by
+// every token; a lone token (decode) widens each vector in the register that feeds its FMA.
+template <int NS, int TL>
 void scores_f16_block(const uint16_t* w, size_t w_row_bytes, int64_t nr, const void* x, size_t x_row_bytes,
                       int64_t n_tokens, float* y, int64_t ldy) {
-  constexpr int K = 64 * NS;
-  alignas(64) float wf[16 * K];
-  for (int i = 0; i < 16; ++i) {
-    const uint16_t* wr = reinterpret_cast<const uint16_t*>(reinterpret_cast<const char*>(w) + i * w_row_bytes);
-#pragma GCC unroll 16
-    for (int j = 0; j < K; j += 16)
-      _mm512_store_ps(wf + i * K + j, i < nr ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(wr + j)))
-                                             : _mm512_setzero_ps());
-  }
+  constexpr int K = 64 * NS + 16 * TL;
+  auto wrow = [&](int i) {
+    return reinterpret_cast<const uint16_t*>(reinterpret_cast<const char*>(w) + i * w_row_bytes);
+  };
   auto pair = [](__m512 a, __m512 b) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
   };
   auto adjacent = [](__m512 a, __m512 b) {
     return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
   };
-  const __mmask16 m = tail_mask(nr);
-  for (int64_t t = 0; t < n_tokens; ++t) {
-    const float* xt = reinterpret_cast<const float*>(static_cast<const char*>(x) + t * x_row_bytes);
-    __m512 xv[4 * NS];
-#pragma GCC unroll 16
-    for (int j = 0; j < 4 * NS; ++j) xv[j] = _mm512_loadu_ps(xt + 16 * j);
-    auto row_sum = [&](int i) {
-      const float* wi = wf + i * K;
-      __m512 acc[4];
+  // One row's four chains from 16-float vectors ld(j) (j = chunk index), summed as row_dots does.
+  auto chains = [](auto ld, const __m512* xv) {
+    const __m512 z = _mm512_setzero_ps();
+    __m512 acc[4] = {z, z, z, z};
 #pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) acc[u] = _mm512_fmadd_ps(_mm512_load_ps(wi + 16 * u), xv[u], _mm512_setzero_ps());
+    for (int s = 0; s < NS; ++s)
 #pragma GCC unroll 4
-      for (int s = 1; s < NS; ++s)
+      for (int u = 0; u < 4; ++u) acc[u] = _mm512_fmadd_ps(ld(4 * s + u), xv[4 * s + u], acc[u]);
 #pragma GCC unroll 4
-        for (int u = 0; u < 4; ++u)
-          acc[u] = _mm512_fmadd_ps(_mm512_load_ps(wi + 64 * s + 16 * u), xv[4 * s + u], acc[u]);
-      return _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), acc[2]), acc[3]);
-    };
+    for (int j = 0; j < TL; ++j) acc[0] = _mm512_fmadd_ps(ld(4 * NS + j), xv[4 * NS + j], acc[0]);
+    return _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), acc[2]), acc[3]);
+  };
+  auto reduce16 = [&](auto row_sum) {
     __m512 e[2];
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
@@ -350,8 +387,40 @@ void scores_f16_block(const uint16_t* w, size_t w_row_bytes, int64_t nr, const v
       const __m512 d1 = adjacent(pair(row_sum(b + 2), row_sum(b + 6)), pair(row_sum(b + 3), row_sum(b + 7)));
       e[h] = adjacent(d0, d1);
     }
-    const __m512 f = _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], 0x88), _mm512_shuffle_f32x4(e[0], e[1], 0xDD));
-    _mm512_mask_storeu_ps(y + t * ldy, m, f);
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], 0x88), _mm512_shuffle_f32x4(e[0], e[1], 0xDD));
+  };
+  const __mmask16 m = tail_mask(nr);
+  if (n_tokens == 1) {
+    const float* xt = static_cast<const float*>(x);
+    __m512 xv[4 * NS + TL];
+#pragma GCC unroll 16
+    for (int j = 0; j < 4 * NS + TL; ++j) xv[j] = _mm512_loadu_ps(xt + 16 * j);
+    auto row_sum = [&](int i) {
+      if (i >= nr) return _mm512_setzero_ps();  // as a widened zero row: all chains stay +0
+      const uint16_t* wi = wrow(i);
+      return chains([&](int j) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(wi + 16 * j))); }, xv);
+    };
+    _mm512_mask_storeu_ps(y, m, reduce16(row_sum));
+    return;
+  }
+  alignas(64) float wf[16 * K];
+  for (int i = 0; i < 16; ++i) {
+    const uint16_t* wr = wrow(i);
+#pragma GCC unroll 16
+    for (int j = 0; j < K; j += 16)
+      _mm512_store_ps(wf + i * K + j, i < nr ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(wr + j)))
+                                             : _mm512_setzero_ps());
+  }
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    const float* xt = reinterpret_cast<const float*>(static_cast<const char*>(x) + t * x_row_bytes);
+    __m512 xv[4 * NS + TL];
+#pragma GCC unroll 16
+    for (int j = 0; j < 4 * NS + TL; ++j) xv[j] = _mm512_loadu_ps(xt + 16 * j);
+    auto row_sum = [&](int i) {
+      const float* wi = wf + i * K;
+      return chains([&](int j) { return _mm512_load_ps(wi + 16 * j); }, xv);
+    };
+    _mm512_mask_storeu_ps(y + t * ldy, m, reduce16(row_sum));
   }
 }
 
@@ -359,17 +428,48 @@ void scores_f16_block(const uint16_t* w, size_t w_row_bytes, int64_t nr, const v
 
 void scores_f16(MERLIN_MATMUL_ARGS) {
   using Fn = void (*)(const uint16_t*, size_t, int64_t, const void*, size_t, int64_t, float*, int64_t);
-  static constexpr Fn kBlocks[4] = {&scores_f16_block<1>, &scores_f16_block<2>, &scores_f16_block<3>,
-                                    &scores_f16_block<4>};
-  if (k <= 0 || k % 64 != 0 || k > 256 || r1 <= r0 || n_tokens <= 0) {
+  // [k / 16 - 1]: 16 .. 256 in steps of 16.
+  static constexpr Fn kBlocks[16] = {
+      &scores_f16_block<0, 1>, &scores_f16_block<0, 2>, &scores_f16_block<0, 3>, &scores_f16_block<1, 0>,
+      &scores_f16_block<1, 1>, &scores_f16_block<1, 2>, &scores_f16_block<1, 3>, &scores_f16_block<2, 0>,
+      &scores_f16_block<2, 1>, &scores_f16_block<2, 2>, &scores_f16_block<2, 3>, &scores_f16_block<3, 0>,
+      &scores_f16_block<3, 1>, &scores_f16_block<3, 2>, &scores_f16_block<3, 3>, &scores_f16_block<4, 0>};
+  if (k <= 0 || k % 16 != 0 || k > 256 || r1 <= r0 || n_tokens <= 0) {
     matmul_f16(w, w_row_bytes, r0, r1, x, x_row_bytes, n_tokens, k, y, ldy);
     return;
   }
   for (int64_t r = r0; r < r1; r += 16) {
     const int64_t nr = r1 - r < 16 ? r1 - r : 16;
-    kBlocks[k / 64 - 1](reinterpret_cast<const uint16_t*>(static_cast<const char*>(w) + r * w_row_bytes), w_row_bytes,
+    kBlocks[k / 16 - 1](reinterpret_cast<const uint16_t*>(static_cast<const char*>(w) + r * w_row_bytes), w_row_bytes,
                         nr, x, x_row_bytes, n_tokens, y + r, ldy);
   }
+}
+
+// Maxima of 256-element blocks (max is exact and maxps(x, m) keeps m when x is NaN, so NaNs never win), then
+// the first index of the largest in the first block that holds it: the scalar loop's index, ties to the lowest.
+int32_t argmax(const float* x, int64_t n) {
+  if (n <= 0 || x[0] != x[0]) return 0;  // a NaN at 0: nothing compares greater than it
+  constexpr int64_t kBlock = 256;
+  float best = -__builtin_inff();
+  int64_t best_block = -1;
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t e = n - b < kBlock ? n - b : kBlock;
+    __m512 m[4];
+    for (__m512& v : m) v = _mm512_set1_ps(-__builtin_inff());
+    int64_t i = 0;
+    for (; i + 64 <= e; i += 64)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) m[j] = _mm512_max_ps(_mm512_loadu_ps(x + b + i + 16 * j), m[j]);
+    for (; i < e; i += 16) {
+      const __mmask16 mk = tail_mask(e - i);
+      m[0] = _mm512_mask_max_ps(m[0], mk, _mm512_maskz_loadu_ps(mk, x + b + i), m[0]);
+    }
+    const float bm = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3])));
+    if (bm > best) best = bm, best_block = b;
+  }
+  if (best_block < 0) return 0;  // nothing above -inf: the scalar loop keeps index 0
+  for (int64_t i = best_block;; ++i)
+    if (x[i] == best) return (int32_t)i;
 }
 
 }  // namespace merlin::kernels::avx512
