@@ -30,6 +30,32 @@ size_t at(int64_t r, int64_t j, int64_t k) {
   return (size_t)((((r / kGroup) * (k / 4) + j / 4) * kGroup + r % kGroup) * 4 + j % 4);
 }
 
+// Symmetric int8 quantization of k values with one scale max |v| / 127, as the screen uses for head rows and
+// tokens: store(j, q) receives each code. Returns false (nothing stored) when a value is not finite.
+struct Int8Stats {
+  float scale = 0;
+  double err2 = 0, norm2 = 0;  // ||v - scale q||^2 and ||v||^2, in double
+  int32_t sum = 0;             // sum of the codes
+};
+template <class Store>
+bool quantize_int8(const float* v, int64_t k, Store store, Int8Stats* st) {
+  float amax = 0;
+  for (int64_t j = 0; j < k; ++j) {
+    if (!std::isfinite(v[j])) return false;
+    amax = std::max(amax, std::fabs(v[j]));
+  }
+  st->scale = amax / 127.0f;
+  for (int64_t j = 0; j < k; ++j) {
+    const int q = st->scale > 0 ? std::clamp((int)std::lround(v[j] / st->scale), -127, 127) : 0;
+    store(j, q);
+    st->sum += q;
+    const double d = (double)v[j] - (double)st->scale * q;
+    st->err2 += d * d;
+    st->norm2 += (double)v[j] * v[j];
+  }
+  return true;
+}
+
 void prepare(void* out, int64_t rows, int64_t k) {
   auto* o = static_cast<uint8_t*>(out);
   std::fill(o, o + screen_bytes(rows, k), (uint8_t)128);
@@ -37,23 +63,11 @@ void prepare(void* out, int64_t rows, int64_t k) {
 
 bool pack_row(const float* w, int64_t r, int64_t k, void* out, float* scale, float* err, float* hull) {
   auto* o = static_cast<uint8_t*>(out);
-  float amax = 0;
-  for (int64_t j = 0; j < k; ++j) {
-    if (!std::isfinite(w[j])) return false;
-    amax = std::max(amax, std::fabs(w[j]));
-  }
-  const float s = amax / 127.0f;
-  double e2 = 0, n2 = 0;
-  for (int64_t j = 0; j < k; ++j) {
-    const int q = s > 0 ? std::clamp((int)std::lround(w[j] / s), -127, 127) : 0;
-    o[at(r, j, k)] = (uint8_t)(q + 128);
-    const double d = (double)w[j] - (double)s * q;
-    e2 += d * d;
-    n2 += (double)w[j] * w[j];
-  }
-  scale[r] = s;
-  err[r] = (float)(std::sqrt(e2) * kUp);
-  hull[r] = (float)((std::sqrt(n2) + std::sqrt(e2)) * kUp);
+  Int8Stats st;
+  if (!quantize_int8(w, k, [&](int64_t j, int q) { o[at(r, j, k)] = (uint8_t)(q + 128); }, &st)) return false;
+  scale[r] = st.scale;
+  err[r] = (float)(std::sqrt(st.err2) * kUp);
+  hull[r] = (float)((std::sqrt(st.norm2) + std::sqrt(st.err2)) * kUp);
   return true;
 }
 
@@ -100,25 +114,11 @@ const HeadScreen* head_screen() { return active_kernel_level() >= KernelLevel::A
 const HeadScreen& head_screen_reference() { return kReference; }
 
 bool screen_quantize(const float* x, int64_t k, double act_err, int8_t* q, ScreenToken* out) {
-  float amax = 0;
-  for (int64_t j = 0; j < k; ++j) {
-    if (!std::isfinite(x[j])) return false;
-    amax = std::max(amax, std::fabs(x[j]));
-  }
-  const float s = amax / 127.0f;
-  double e2 = 0, n2 = 0;
-  int32_t sum = 0;
-  for (int64_t j = 0; j < k; ++j) {
-    const int v = s > 0 ? std::clamp((int)std::lround(x[j] / s), -127, 127) : 0;
-    q[j] = (int8_t)v;
-    sum += v;
-    const double d = (double)x[j] - (double)s * v;
-    e2 += d * d;
-    n2 += (double)x[j] * x[j];
-  }
-  const double nx = std::sqrt(n2), ex = std::sqrt(e2) + act_err, gamma = 1.1 * (double)k * 0x1p-24;
-  out->scale = s;
-  out->sum = sum;
+  Int8Stats st;
+  if (!quantize_int8(x, k, [&](int64_t j, int v) { q[j] = (int8_t)v; }, &st)) return false;
+  const double nx = std::sqrt(st.norm2), ex = std::sqrt(st.err2) + act_err, gamma = 1.1 * (double)k * 0x1p-24;
+  out->scale = st.scale;
+  out->sum = st.sum;
   out->bound_x = (float)(nx * kUp);
   // The last 2^-21 covers the float roundings of a -/+ bound (|a| <= hull (||x|| + ||x - x^||)).
   out->bound_y = (float)((ex + (0x1p-23 + 2 * gamma + 0x1p-21) * (nx + ex)) * kUp);
