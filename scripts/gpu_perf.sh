@@ -6,8 +6,9 @@
 #
 #   scripts/gpu_perf.sh [BIN_DIR]        (BIN_DIR as for gpu_test.sh, plus cuda_matvec)
 #
-# SETTINGS: ';'-separated environment settings to compare ("" = defaults), e.g.
-#   SETTINGS=";MERLIN_CUDA_GEMM_MIN=0;MERLIN_CUDA_NT4_CAP=1"
+# SETTINGS: ';'-separated environment settings to compare, an empty entry being the defaults, e.g.
+#   SETTINGS=";MERLIN_CUDA_GEMM_MIN=0;MERLIN_CUDA_NT4_CAP=0"  (defaults, no cuBLAS, uncapped 32-token product)
+# Unset or empty: ";MERLIN_CUDA_GEMM_MIN=0". SETTINGS=";" runs the defaults only.
 # BASE_TYPES (default "f16 q4_0"), MACBOOK_TYPES (default "q4_0"), TESTS=0 skips the tests, MATVEC=0 the
 # microbenchmark, KEEP_MODELS=1 keeps the model files in MODEL_DIR for the next call (and reuses them).
 set -u
