@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Interleaved A/B of `merlin serve` throughput: configurations run in turn (A, B, A, B, ...) so that a noisy
 # machine disturbs both alike. Each configuration is a merlin binary, optionally followed by environment
-# settings ("build/bin/merlin MERLIN_HEAD_SCREEN=0"). Per repetition and configuration it starts the server
-# (--parallel 32 -t 2), warms it up, and prints aggregate generated tok/s per client count. Not a test.
-#   bash bench/serve_ab.sh MODEL "1 32" REPS "BIN_A [VAR=V ...]" "BIN_B [VAR=V ...]" ...
+# settings and, after " -- ", extra `merlin serve` flags ("build/bin/merlin MERLIN_HEAD_SCREEN=0",
+# "build/bin/merlin -- --kv-type q8_0"). Per repetition and configuration it starts the server (--parallel 32
+# -t 2), warms it up, and prints aggregate generated tok/s per client count. Not a test.
+#   bash bench/serve_ab.sh MODEL "1 32" REPS "BIN_A [VAR=V ...] [-- FLAGS]" "BIN_B ..." ...
 # Environment: NTOK (tokens per request, default 128).
 set -u
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -12,9 +13,12 @@ ntok=${NTOK:-128}
 for rep in $(seq 1 "$reps"); do
   for cfg in "$@"; do
     log=$(mktemp)
-    bin=${cfg%% *}; envs=${cfg#* }; [[ $envs == "$cfg" ]] && envs=""
+    flags=""
+    head=$cfg
+    if [[ $cfg == *" -- "* ]]; then flags=${cfg#* -- }; head=${cfg%% -- *}; fi
+    bin=${head%% *}; envs=${head#* }; [[ $envs == "$head" ]] && envs=""
     # shellcheck disable=SC2086
-    env -u OPENBLAS_CORETYPE $envs "$bin" serve -m "$model" --port 0 --parallel 32 -t 2 -q 2>"$log" &
+    env -u OPENBLAS_CORETYPE $envs "$bin" serve -m "$model" --port 0 --parallel 32 -t 2 -q $flags 2>"$log" &
     pid=$!
     port=""
     for _ in $(seq 1 600); do
