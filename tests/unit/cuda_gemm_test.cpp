@@ -107,10 +107,13 @@ TEST(CudaGemm, MatchesDoubleProductForEveryType) {
     check_gemm(t, 37, super ? 768 : 96, 64, runner);
     check_gemm(t, 130, super ? 1280 : 800, 100, runner);
   }
+  // Half matrices are multiplied in place with rows padded to 32 columns (lda 64 for k = 48).
+  check_gemm(DType::F16, 23, 48, 64, runner);
+  check_gemm(DType::BF16, 23, 48, 64, runner);
 }
 
 // 4,100 rows of k = 4,096 are two expansion chunks of 32 MiB (4,096 rows each): the second chunk is a
-// partial one and its output lands at row 4,096.
+// partial one and its output lands at row 4,096 (BF16 is multiplied in place, in one piece).
 TEST(CudaGemm, MatrixLargerThanOneChunk) {
   REQUIRE_GEMM();
   cu::GemmRunner runner(32 << 20);

@@ -164,7 +164,8 @@ TEST(CudaKernels, EmbeddingRowsAreBitExact) {
 }
 
 // y = W x for every weight type against the scalar CPU kernel (which quantizes x the same way), with rows
-// that are not a multiple of the 16-row tile, k that leaves partial 16-byte chunks, and 1..70 tokens
+// that are not a multiple of the 16-row tile, k that leaves partial 16-byte chunks (or, for f16/bf16, half a
+// 32-column pair), short k that lets a CTA work on several tiles at once, and 1..70 tokens
 // (one, two and four mma column groups, several token tiles). Also checks the accumulate epilogue.
 TEST(CudaKernels, MatmulMatchesScalarCpu) {
   REQUIRE_GPU();
@@ -173,8 +174,13 @@ TEST(CudaKernels, MatmulMatchesScalarCpu) {
   for (DType t : {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::Q4_K,
                   DType::TQ1_0, DType::TQ2_0}) {
     const bool super = t == DType::Q4_K || t == DType::TQ1_0 || t == DType::TQ2_0;
-    const std::vector<Shape> shapes = super ? std::vector<Shape>{{1, 256}, {37, 768}, {130, 1280}}
-                                            : std::vector<Shape>{{1, 32}, {37, 96}, {130, 800}, {17, 4096}};
+    std::vector<Shape> shapes = super ? std::vector<Shape>{{1, 256}, {37, 768}, {130, 1280}}
+                                      : std::vector<Shape>{{1, 32}, {37, 96}, {130, 800}, {17, 4096}};
+    // Half rows are stored padded to 32 columns (matrix_layout.cuh): k = 16 mod 32 leaves a half-empty pair.
+    if (t == DType::F16 || t == DType::BF16) {
+      shapes.push_back({23, 48});
+      shapes.push_back({40, 272});
+    }
     for (const Shape& s : shapes) {
       for (int n : {1, 5, 8, 9, 17, 33, 70}) {
         SCOPED_TRACE(std::string(dtype_name(t)) + " rows " + std::to_string(s.rows) + " k " + std::to_string(s.k) +
@@ -275,13 +281,17 @@ TEST(CudaKernels, SingleTokenProductMatchesScalarCpu) {
 // Batches of 9..32 tokens on a matrix with at least as many 16-row tiles as the GPU has SMs run the 16- and
 // 32-token kernels; smaller matrices run 8-token CTAs (see launch_fmt). A token's arithmetic is the same in
 // every variant, so each token's outputs must equal, bit for bit, those of a 5-token call (8-token kernel)
-// on the same rows, and match the scalar CPU.
+// on the same rows, and match the scalar CPU. The second shape (3,001 tiles of k = 256) has enough short
+// tiles that a CTA works on 2-8 of them at once (warps_per_tile in matmul.cu).
 TEST(CudaKernels, BatchedVariantsAreBitIdentical) {
   REQUIRE_GPU();
   const auto& scalar = kernels::kernels_for(KernelLevel::Scalar);
-  const int64_t rows = 16 * 300 + 5, k = 512;  // 301 tiles: more than any current GPU's SM count
+  struct Shape { int64_t rows, k; };
+  // 301 tiles: more than any current GPU's SM count.
+  for (const Shape s : {Shape{16 * 300 + 5, 512}, Shape{16 * 3000 + 5, 256}})
   for (DType t : {DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::Q4_K, DType::TQ2_0}) {
-    SCOPED_TRACE(dtype_name(t));
+    const int64_t rows = s.rows, k = s.k;
+    SCOPED_TRACE(std::string(dtype_name(t)) + " rows " + std::to_string(rows));
     const std::vector<uint8_t> w = random_matrix(t, rows, k, 77);
     const size_t row_bytes = dtype_row_bytes(t, (uint64_t)k);
     const cu::MatrixPart part{t, w.data(), rows, k, row_bytes};

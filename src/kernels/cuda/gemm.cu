@@ -1,7 +1,7 @@
-// Prefill-sized products through cuBLAS (ops.h, GemmRunner). The fragment-ordered weights (repack.cu) are
-// expanded chunk by chunk of rows into a row-major f16 (bf16 for BF16 weights) scratch matrix, then one
-// cublasGemmEx per chunk multiplies it with the activations rounded to the same half type, accumulating in
-// f32. Chunks are 256 MiB by default (MERLIN_CUDA_GEMM_CHUNK_MB): the whole matrix for every shape up to the
+// Prefill-sized products through cuBLAS (ops.h, GemmRunner). F16/BF16 matrices are stored row-major
+// (matrix_layout.cuh) and multiplied in place. Quantized fragment-ordered weights (repack.cu) are expanded
+// chunk by chunk of rows into a row-major f16 scratch matrix, then one cublasGemmEx per chunk multiplies it
+// with the activations rounded to f16 (bf16 for BF16 weights), accumulating in f32. Chunks are 256 MiB by default (MERLIN_CUDA_GEMM_CHUNK_MB): the whole matrix for every shape up to the
 // 7.19B model's stacked gate/up (32768 x 4096), because large GEMMs fill the GPU better than L2-sized chunks
 // help (macbook bf16 pp512 on the H200: 19.0k t/s with 32 MiB chunks, 21.0k with 256 MiB; docs/GPU.md).
 //
@@ -61,8 +61,9 @@ __device__ __forceinline__ float2 row_scale_min(const ExpandArgs& a, int64_t til
   }
 }
 
-// One thread per (tile, chunk, lane): the lane's 16 bytes hold, per k-step, the A operand of the tensor-core
-// instruction (fragment.cuh), i.e. known (row, column) positions; each value is scaled and stored in place.
+// One thread per (tile, chunk, lane) of a quantized matrix: the lane's 16 bytes hold, per k-step, the A
+// operand of the tensor-core instruction (fragment.cuh), i.e. known (row, column) positions; each value is
+// scaled and stored in place.
 template <int F>
 __global__ void expand_kernel(ExpandArgs a) {
   const int64_t id = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
@@ -71,35 +72,25 @@ __global__ void expand_kernel(ExpandArgs a) {
   const int64_t chunk = (id / 32) % a.n_chunks, lt = id / 32 / a.n_chunks, tile = a.tile0 + lt;
   const uint4 w = reinterpret_cast<const uint4*>(a.q)[(tile * a.n_chunks + chunk) * 32 + lane];
   uint16_t* out = a.out + lt * 16 * a.k;
-  if constexpr (F == kF16 || F == kBF16) {
-    // m16n8k16: register r holds rows g + 8 * (r & 1), columns 2t, 2t + 1 (+ 8 for r >= 2); kept as they are.
-    const uint32_t regs[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int j = 0; j < steps_per_chunk(F); ++j) {
+    const int64_t step = chunk * steps_per_chunk(F) + j;
+    if (step >= a.n_steps) break;
+    uint32_t regs[4];
+    int8_operand<F>(w, j, regs);
+    const float2 s0 = row_scale_min<F>(a, tile, g, step), s1 = row_scale_min<F>(a, tile, g + 8, step);
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const int64_t row = g + 8 * (r & 1), col = chunk * 16 + 2 * t + 8 * (r >> 1);
-      *reinterpret_cast<uint32_t*>(out + row * a.k + col) = regs[r];
-    }
-  } else {
+      const float2 sm = (r & 1) ? s1 : s0;
+      const int64_t row = g + 8 * (r & 1), col = step * 32 + 4 * t + 16 * (r >> 1);
+      uint16_t h[4];
 #pragma unroll
-    for (int j = 0; j < steps_per_chunk(F); ++j) {
-      const int64_t step = chunk * steps_per_chunk(F) + j;
-      if (step >= a.n_steps) break;
-      uint32_t regs[4];
-      int8_operand<F>(w, j, regs);
-      const float2 s0 = row_scale_min<F>(a, tile, g, step), s1 = row_scale_min<F>(a, tile, g + 8, step);
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const float2 sm = (r & 1) ? s1 : s0;
-        const int64_t row = g + 8 * (r & 1), col = step * 32 + 4 * t + 16 * (r >> 1);
-        uint16_t h[4];
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          const float code = F == kQ4_K ? (float)((regs[r] >> (8 * b)) & 0xFF) : (float)(int8_t)(regs[r] >> (8 * b));
-          h[b] = to_half_bits(F == kQ4_K ? sm.x * code - sm.y : code * sm.x);
-        }
-        *reinterpret_cast<uint2*>(out + row * a.k + col) =
-            make_uint2((uint32_t)h[0] | ((uint32_t)h[1] << 16), (uint32_t)h[2] | ((uint32_t)h[3] << 16));
+      for (int b = 0; b < 4; ++b) {
+        const float code = F == kQ4_K ? (float)((regs[r] >> (8 * b)) & 0xFF) : (float)(int8_t)(regs[r] >> (8 * b));
+        h[b] = to_half_bits(F == kQ4_K ? sm.x * code - sm.y : code * sm.x);
       }
+      *reinterpret_cast<uint2*>(out + row * a.k + col) =
+          make_uint2((uint32_t)h[0] | ((uint32_t)h[1] << 16), (uint32_t)h[2] | ((uint32_t)h[3] << 16));
     }
   }
 }
@@ -113,8 +104,6 @@ void launch_expand(int fmt, const ExpandArgs& a, Stream stream) {
     case kMXFP4: expand_kernel<kMXFP4><<<blocks, 256, 0, stream>>>(a); break;
     case kQ4_K: expand_kernel<kQ4_K><<<blocks, 256, 0, stream>>>(a); break;
     case kTQ2: expand_kernel<kTQ2><<<blocks, 256, 0, stream>>>(a); break;
-    case kF16: expand_kernel<kF16><<<blocks, 256, 0, stream>>>(a); break;
-    case kBF16: expand_kernel<kBF16><<<blocks, 256, 0, stream>>>(a); break;
     default: fail("gemm: no expansion for this matrix format");
   }
   check_launch("gemm expand");
@@ -211,8 +200,22 @@ void GemmRunner::run(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_
   }
   const auto h = static_cast<cublasHandle_t>(handle_);
   MERLIN_CHECK(cb.set_stream(h, stream) == CUBLAS_STATUS_SUCCESS, "gemm: cublasSetStream failed");
-  const Geometry geo = geometry(w.fmt, w.rows, w.k);
   const int64_t out_rows = std::min(n_out_rows, w.rows);
+  const cudaDataType_t half_type = w.fmt == kBF16 ? CUDA_R_16BF : CUDA_R_16F;
+  const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  // Row-major W (rows x k) is column-major k x rows; row-major x (n x k) is column-major k x n; row-major
+  // y (n x ldy) is column-major ldy x n. So y^T = W^T-as-stored times x: op(A) = T, op(B) = N.
+  const auto gemm = [&](const void* a, int64_t lda, int64_t row0, int64_t m) {
+    const cublasStatus_t st = cb.gemm(h, CUBLAS_OP_T, CUBLAS_OP_N, (int)m, n, (int)w.k, &one, a, half_type, (int)lda,
+                                      x.hi, half_type, (int)w.k, &beta, d_y + row0, CUDA_R_32F, (int)ldy,
+                                      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    MERLIN_CHECK(st == CUBLAS_STATUS_SUCCESS, "gemm: cublasGemmEx failed (status ", (int)st, ")");
+  };
+  if (half_fmt(w.fmt)) {  // stored row-major (matrix_layout.cuh): multiplied in place
+    gemm(w.q, half_ld(w.k), 0, out_rows);
+    return;
+  }
+  const Geometry geo = geometry(w.fmt, w.rows, w.k);
   const size_t chunk_bytes = chunk_bytes_ ? chunk_bytes_ : chunk_bytes_limit();
   const int64_t chunk_tiles = std::max<int64_t>(1, (int64_t)(chunk_bytes / ((size_t)w.k * 2 * 16)));
   const size_t need = (size_t)std::min(chunk_tiles, geo.tiles) * 16 * w.k * 2;
@@ -221,18 +224,10 @@ void GemmRunner::run(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_
     scratch_ = static_cast<uint16_t*>(dev_alloc(need));
     scratch_bytes_ = need;
   }
-  const cudaDataType_t half_type = w.fmt == kBF16 ? CUDA_R_16BF : CUDA_R_16F;
-  const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   for (int64_t t0 = 0; t0 * 16 < out_rows; t0 += chunk_tiles) {
     const int64_t nt = std::min(chunk_tiles, geo.tiles - t0);
     launch_expand(w.fmt, ExpandArgs{w.q, w.s, w.k, geo.n_steps, geo.n_chunks, geo.n_super, t0, nt, scratch_}, stream);
-    // Row-major W (rows x k) is column-major k x rows; row-major x (n x k) is column-major k x n; row-major
-    // y (n x ldy) is column-major ldy x n. So y^T = W^T-as-stored times x: op(A) = T, op(B) = N.
-    const int m = (int)std::min(nt * 16, out_rows - t0 * 16);
-    const cublasStatus_t st =
-        cb.gemm(h, CUBLAS_OP_T, CUBLAS_OP_N, m, n, (int)w.k, &one, scratch_, half_type, (int)w.k, x.hi, half_type,
-                (int)w.k, &beta, d_y + t0 * 16, CUDA_R_32F, (int)ldy, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-    MERLIN_CHECK(st == CUBLAS_STATUS_SUCCESS, "gemm: cublasGemmEx failed (status ", (int)st, ")");
+    gemm(scratch_, w.k, t0 * 16, std::min(nt * 16, out_rows - t0 * 16));
   }
 #else
   (void)w, (void)x, (void)n, (void)d_y, (void)ldy, (void)n_out_rows, (void)accumulate, (void)stream;

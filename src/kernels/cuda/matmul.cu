@@ -50,6 +50,7 @@ struct MmArgs {
   int stage_x;    // 1: the CTA copies its tokens' activations to shared memory first (mm_kernel)
   int fuse_prep;  // 1: the CTA computes its tokens' activations from prep (RMSNorm / SwiGLU / plain) itself
   PrepArgs prep;
+  int split;  // warps sharing a tile's k (1, 2, 4 or 8): a CTA works on kWarps / split tiles at once
 };
 
 // The activations a CTA reads: the global buffers, or the CTA's own tokens staged in shared memory (rows
@@ -70,6 +71,7 @@ struct XView {
 // the weights instead of costing a second memory round trip inside the compute loop.
 
 constexpr int kRound = 4;
+static_assert(kRound % 2 == 0, "half matrices load their chunks in (row g, row g + 8) pairs");
 
 // 32-bit scale words per round: one per k-step (Q8_0, Q4_0: half2 of rows g and g + 8; MXFP4: their two
 // e8m0 bytes), one per super-block of 8 steps (TQ2_0), none (half formats; Q4_K keeps 16-byte headers).
@@ -89,6 +91,17 @@ struct Round {
 template <int F>
 __device__ __forceinline__ void load_round(const MmArgs& p, int64_t tile, int64_t c0, int lane, Round<F>& r) {
   const int g = lane >> 2;
+  if constexpr (half_fmt(F)) {  // row-major (matrix_layout.cuh): chunk c is row g + 8 (c & 1), column 32 (c >> 1) + 8t
+    const int64_t ld = p.n_steps * 16;
+    const uint16_t* base = reinterpret_cast<const uint16_t*>(p.q) + (tile * 16 + g) * ld + 8 * (lane & 3);
+#pragma unroll
+    for (int u = 0; u < kRound; ++u) {
+      const int64_t c = c0 + u;
+      if (c < p.n_chunks)
+        r.w[u] = load_stream(reinterpret_cast<const uint4*>(base + (c & 1) * 8 * ld + (c >> 1) * 32));
+    }
+    return;
+  }
   const uint4* qp = reinterpret_cast<const uint4*>(p.q) + tile * p.n_chunks * 32 + lane;
 #pragma unroll
   for (int u = 0; u < kRound; ++u)
@@ -167,20 +180,23 @@ __device__ __forceinline__ void int8_step(const MmArgs& p, const XView& x, const
   }
 }
 
+// k-step `step` of a half matrix: A holds rows g, g + 8 at physical columns 32 (step >> 1) + 8t + 4 (step & 1)
+// + {0, 1} (logical 2t, 2t + 1) and + {2, 3} (logical 2t + 8, 2t + 9), so the token's B operand is the same
+// four columns; columns past k (row padding) read as zero.
 template <int F, int NT>
-__device__ __forceinline__ void half_chunk(const MmArgs& p, const XView& x, const uint4& w, int64_t step, int tb,
-                                           int g, int t, float (&acc)[NT][4]) {
-  const uint32_t a[4] = {w.x, w.y, w.z, w.w};
+__device__ __forceinline__ void half_step(const MmArgs& p, const XView& x, const uint32_t (&a)[4], int64_t step,
+                                          int tb, int g, int t, float (&acc)[NT][4]) {
+  const int64_t col = (step >> 1) * 32 + 8 * t + 4 * (step & 1);
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     const int tok = tb + nt * 8 + g;
     uint32_t h0 = 0, h1 = 0, l0 = 0, l1 = 0;
-    if (tok < p.n) {
-      const int64_t o = (int64_t)(tok - x.tok0) * p.k + step * 16 + 2 * t;
+    if (tok < p.n && col < p.k) {
+      const int64_t o = (int64_t)(tok - x.tok0) * p.k + col;
       h0 = *reinterpret_cast<const uint32_t*>(x.hi + o);
-      h1 = *reinterpret_cast<const uint32_t*>(x.hi + o + 8);
+      h1 = *reinterpret_cast<const uint32_t*>(x.hi + o + 2);
       l0 = *reinterpret_cast<const uint32_t*>(x.lo + o);
-      l1 = *reinterpret_cast<const uint32_t*>(x.lo + o + 8);
+      l1 = *reinterpret_cast<const uint32_t*>(x.lo + o + 2);
     }
     mma_half<F == kBF16>(acc[nt], a, l0, l1);
     mma_half<F == kBF16>(acc[nt], a, h0, h1);
@@ -193,8 +209,14 @@ __device__ __forceinline__ void compute_round(const MmArgs& p, const XView& x, c
 #pragma unroll
   for (int u = 0; u < kRound; ++u) {
     if (c0 + u >= p.n_chunks) break;
-    if constexpr (F == kF16 || F == kBF16) {
-      half_chunk<F, NT>(p, x, r.w[u], c0 + u, tb, g, t, acc);
+    if constexpr (half_fmt(F)) {
+      // Chunks come in (row g, row g + 8) pairs: kRound and every round's first chunk are even, and so is
+      // n_chunks (rows padded to 32 columns).
+      if (u & 1) continue;
+      const uint4 lo = r.w[u], hi = r.w[u + 1];
+      const uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y}, a1[4] = {lo.z, hi.z, lo.w, hi.w};
+      half_step<F, NT>(p, x, a0, c0 + u, tb, g, t, acc);
+      half_step<F, NT>(p, x, a1, c0 + u + 1, tb, g, t, acc);
     } else {
 #pragma unroll
       for (int j = 0; j < steps_per_chunk(F); ++j) {
@@ -209,8 +231,6 @@ __device__ __forceinline__ void compute_round(const MmArgs& p, const XView& x, c
     }
   }
 }
-
-__host__ __device__ constexpr bool half_fmt(int f) { return f == kF16 || f == kBF16; }
 
 // Shared-memory bytes for `nt` tokens of staged activations: codes, block scales and (Q4_K) block sums,
 // or the hi and lo halves.
@@ -261,88 +281,125 @@ __device__ XView stage_prep(const MmArgs& p, int tb, int nt, uint8_t* sm) {
   return view_of(o, tb);
 }
 
-// Copies the CTA's tokens [tb, tb + nt) of the activation buffers to shared memory (16-byte copies for the
-// codes and halves: k is a multiple of 32, resp. 16, and the buffers are 256-byte aligned).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src)
+               : "memory");
+}
+
+// n floats (or int32) to shared memory: 16-byte asynchronous copies, the last n % 4 by plain loads.
+__device__ __forceinline__ void stage_words(uint32_t* dst, const uint32_t* src, int64_t n) {
+  for (int64_t i = threadIdx.x; i < n / 4; i += blockDim.x) cp_async16(dst + 4 * i, src + 4 * i);
+  for (int64_t i = n / 4 * 4 + threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+}
+
+// Copies the CTA's tokens [tb, tb + nt) of the activation buffers to shared memory. Every copy is issued
+// before the CTA waits for any (cp.async), so staging costs one L2 round trip, not one per loop iteration:
+// 32 tokens of k = 768 are 28 KiB, 7 rounds of 16 bytes per thread. Codes and halves are 16-byte aligned
+// (k is a multiple of 32, resp. 16, and the buffers are 256-byte aligned); so are the scales of 8-token
+// groups when k / 32 is even.
 template <int F>
 __device__ XView stage_x(const MmArgs& p, int tb, int nt, uint8_t* sm) {
   ActBuf o = staged_buf<F>(p.k, nt, sm);
   const int64_t k = p.k, kb = k / 32;
   if constexpr (half_fmt(F)) {
-    const uint4* shi = reinterpret_cast<const uint4*>(p.xhi + tb * k);
-    const uint4* slo = reinterpret_cast<const uint4*>(p.xlo + tb * k);
+    const uint16_t* shi = p.xhi + tb * k;
+    const uint16_t* slo = p.xlo + tb * k;
     for (int64_t i = threadIdx.x; i < nt * k / 8; i += blockDim.x) {
-      reinterpret_cast<uint4*>(o.hi)[i] = shi[i];
-      reinterpret_cast<uint4*>(o.lo)[i] = slo[i];
+      cp_async16(o.hi + 8 * i, shi + 8 * i);
+      cp_async16(o.lo + 8 * i, slo + 8 * i);
     }
   } else {
-    const uint4* sq = reinterpret_cast<const uint4*>(p.xq + tb * k);
-    for (int64_t i = threadIdx.x; i < nt * k / 16; i += blockDim.x) reinterpret_cast<uint4*>(o.q)[i] = sq[i];
-    for (int64_t i = threadIdx.x; i < nt * kb; i += blockDim.x) {
-      o.scale[i] = p.xs[tb * kb + i];
-      if constexpr (F == kQ4_K) o.sum[i] = p.xsum[tb * kb + i];
+    const int8_t* sq = p.xq + tb * k;
+    for (int64_t i = threadIdx.x; i < nt * k / 16; i += blockDim.x) cp_async16(o.q + 16 * i, sq + 16 * i);
+    const bool aligned = (tb * kb) % 4 == 0;
+    for (int64_t i = threadIdx.x; !aligned && i < nt * kb; i += blockDim.x) o.scale[i] = p.xs[tb * kb + i];
+    if (aligned)
+      stage_words(reinterpret_cast<uint32_t*>(o.scale), reinterpret_cast<const uint32_t*>(p.xs + tb * kb), nt * kb);
+    if constexpr (F == kQ4_K) {
+      for (int64_t i = threadIdx.x; !aligned && i < nt * kb; i += blockDim.x) o.sum[i] = p.xsum[tb * kb + i];
+      if (aligned)
+        stage_words(reinterpret_cast<uint32_t*>(o.sum), reinterpret_cast<const uint32_t*>(p.xsum + tb * kb), nt * kb);
     }
   }
+  asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
   return view_of(o, tb);
 }
 
-// Sums the 8 warps' partial tiles in a fixed order (deterministic) and writes (or adds) the outputs.
+// Sums each group's partial tiles (split warps each) in a fixed order (deterministic) and writes (or adds)
+// the outputs; group j of the CTA holds tile tile0 + j.
 template <int NT>
-__device__ __forceinline__ void reduce_tile(const MmArgs& p, int64_t tile, int tb, int warp, int lane,
-                                            const float (&acc)[NT][4], float (*red)[NT * 4][32]) {
+__device__ __forceinline__ void reduce_tiles(const MmArgs& p, int64_t tile0, int tb, int warp, int lane,
+                                             const float (&acc)[NT][4], float (*red)[NT * 4][32]) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
     for (int i = 0; i < 4; ++i) red[warp][nt * 4 + i][lane] = acc[nt][i];
   __syncthreads();
-  for (int e = threadIdx.x; e < NT * 4 * 32; e += blockDim.x) {
-    const int i = e / 32, ln = e % 32;
+  constexpr int kPerTile = NT * 4 * 32;
+  for (int e = threadIdx.x; e < kWarps / p.split * kPerTile; e += blockDim.x) {
+    const int grp = e / kPerTile, i = e % kPerTile / 32, ln = e % 32;
     float v = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) v += red[w][i][ln];
+    for (int w = grp * p.split; w < (grp + 1) * p.split; ++w) v += red[w][i][ln];
     const int gg = ln >> 2, tt = ln & 3, nt = i / 4, ci = i % 4;
-    const int64_t r = tile * 16 + gg + 8 * (ci >> 1);
+    const int64_t r = (tile0 + grp) * 16 + gg + 8 * (ci >> 1);
     const int tok = tb + nt * 8 + 2 * tt + (ci & 1);
     if (r < p.n_out && tok < p.n) {
       float* dst = p.y + (int64_t)tok * p.ldy + r;
       *dst = p.accumulate ? *dst + v : v;
     }
   }
-  __syncthreads();  // red is reused by the next tile
+  __syncthreads();  // red is reused by the next tiles
 }
 
-// The work items of a CTA: (tile, round) pairs, tiles blockIdx.x, + gridDim.x, ..., each tile's rounds in
-// order. Every warp walks the same sequence (a warp whose chunks lie past the end of k loads and computes
-// nothing), so the per-tile reduction, which synchronizes the CTA, comes at the same item for all warps.
-struct Items {
-  int64_t rounds, n, c_first;
+// The work items of a CTA: (tile set, round) pairs. A tile set is kWarps / split consecutive tiles, one per
+// group of `split` warps; the CTA takes sets blockIdx.x, + gridDim.x, ..., each set's rounds in order, and the
+// warps of a group split their tile's k. Every warp walks the same sequence (a warp whose chunks lie past
+// the end of k, or whose tile lies past the last, loads and computes nothing), so the reduction, which
+// synchronizes the CTA, comes at the same item for all warps. With split = 8 (long k) this is one tile per
+// CTA at a time; short k (k = 768 in Q4_0 is 12 chunks: 3 rounds) gets split = 4 and two tiles at once, and
+// because a round's chunks go to the same warp position either way, the sums are bit-identical.
+struct Items {  // 32-bit and division-free: the 32-token kernel is short of registers
+  int rounds, n, c_first, stride, groups, group;
   __device__ Items(const MmArgs& p, int warp) {
-    constexpr int64_t kStride = (int64_t)kWarps * kRound;
-    rounds = (p.n_chunks + kStride - 1) / kStride;
-    const int64_t my_tiles = blockIdx.x < p.tiles ? (p.tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
-    n = rounds * my_tiles;
-    c_first = (int64_t)warp * kRound;
+    groups = kWarps / p.split;
+    group = warp / p.split;
+    stride = p.split * kRound;
+    rounds = ((int)p.n_chunks + stride - 1) / stride;
+    const int sets = ((int)p.tiles + groups - 1) / groups, bx = (int)blockIdx.x, nb = (int)gridDim.x;
+    n = rounds * (bx < sets ? (sets - bx + nb - 1) / nb : 0);
+    c_first = (warp % p.split) * kRound;
   }
-  __device__ int64_t tile(int64_t i) const { return blockIdx.x + (i / rounds) * (int64_t)gridDim.x; }
-  __device__ int64_t chunk(int64_t i) const { return c_first + (i % rounds) * kWarps * kRound; }
-  __device__ bool ends_tile(int64_t i) const { return i % rounds == rounds - 1; }
 };
 
-// Item i: requests item i + 1 into `next`, computes `cur`, and reduces the tile after its last round.
+// Where a warp is in its item sequence: tile set and round.
+struct Cursor {
+  int set, r;
+  __device__ int tile(const Items& it) const { return set * it.groups + it.group; }
+  __device__ int chunk(const Items& it) const { return it.c_first + r * it.stride; }
+  __device__ Cursor next(const Items& it) const {
+    return r + 1 == it.rounds ? Cursor{set + (int)gridDim.x, 0} : Cursor{set, r + 1};
+  }
+};
+
+// Item i at cursor c: requests item i + 1 into `next`, computes `cur`, reduces the tiles after their last
+// round, and moves c on.
 template <int F, int NT>
-__device__ __forceinline__ void run_item(const MmArgs& p, const XView& x, const Items& it, int64_t i,
+__device__ __forceinline__ void run_item(const MmArgs& p, const XView& x, const Items& it, int i, Cursor& c,
                                          const Round<F>& cur, Round<F>& next, int tb, int warp, int lane,
                                          float (&acc)[NT][4], float (*red)[NT * 4][32]) {
-  if (i + 1 < it.n) load_round<F>(p, it.tile(i + 1), it.chunk(i + 1), lane, next);
-  compute_round<F, NT>(p, x, cur, it.chunk(i), tb, lane >> 2, lane & 3, acc);
-  if (it.ends_tile(i)) {
-    reduce_tile<NT>(p, it.tile(i), tb, warp, lane, acc, red);
+  const Cursor nx = c.next(it);
+  if (i + 1 < it.n && nx.tile(it) < p.tiles) load_round<F>(p, nx.tile(it), nx.chunk(it), lane, next);
+  if (c.tile(it) < p.tiles) compute_round<F, NT>(p, x, cur, c.chunk(it), tb, lane >> 2, lane & 3, acc);
+  if (c.r == it.rounds - 1) {
+    reduce_tiles<NT>(p, (int64_t)c.set * it.groups, tb, warp, lane, acc, red);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
   }
+  c = nx;
 }
 
-// A persistent CTA over its items, 8 warps splitting each tile's k. Two rounds of registers alternate
+// A persistent CTA over its items, groups of warps splitting each tile's k. Two rounds of registers alternate
 // (the loop is unrolled by two, so no round is ever copied: a register copy would wait for the loads in
 // flight and undo the overlap): the next round, possibly of the next tile, is always in flight while the
 // current one computes, and the HBM latency is paid once per CTA, not once per tile. The first round is
@@ -361,7 +418,8 @@ __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
   const int tb = blockIdx.y * 8 * NT;
   const Items it(p, warp);
   Round<F> ra{}, rb{};
-  if (it.n > 0) load_round<F>(p, it.tile(0), it.chunk(0), lane, ra);
+  Cursor c{(int)blockIdx.x, 0};
+  if (it.n > 0 && c.tile(it) < p.tiles) load_round<F>(p, c.tile(it), c.chunk(it), lane, ra);
   pdl_trigger();
   pdl_wait();
   XView x{p.xq, p.xs, p.xsum, p.xhi, p.xlo, 0};
@@ -370,9 +428,9 @@ __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
   float acc[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-  for (int64_t i = 0; i < it.n; i += 2) {
-    run_item<F, NT>(p, x, it, i, ra, rb, tb, warp, lane, acc, red);
-    if (i + 1 < it.n) run_item<F, NT>(p, x, it, i + 1, rb, ra, tb, warp, lane, acc, red);
+  for (int i = 0; i < it.n; i += 2) {
+    run_item<F, NT>(p, x, it, i, c, ra, rb, tb, warp, lane, acc, red);
+    if (i + 1 < it.n) run_item<F, NT>(p, x, it, i + 1, c, rb, ra, tb, warp, lane, acc, red);
   }
 }
 
@@ -414,6 +472,24 @@ bool nt4_capped() {
 
 constexpr int nt_index(int nt) { return nt == 1 ? 0 : nt == 2 ? 1 : 2; }
 
+// Warps per tile. A CTA works on kWarps / split tiles at once when k is short (its rounds cover k with fewer
+// than 8 warps) and the matrix has enough tiles that the persistent grid stays full: base's output head at
+// 32 tokens (3,141 tiles of k = 768 in Q4_0: 3 of 8 warps busy). Splitting smaller matrices that way left
+// SMs idle (base q4_0 tg128 x32 45.8k t/s against 47.9k with every matrix grouped). Any split whose rounds
+// cover k in one pass sums in the same order as split = 8, so results do not depend on it.
+// MERLIN_CUDA_MM_SPLIT=0 keeps 8 for A/B timing.
+int warps_per_tile(int64_t n_chunks, int64_t tiles, int64_t resident) {
+  static const bool on = [] {
+    const char* v = std::getenv("MERLIN_CUDA_MM_SPLIT");
+    return !(v && std::string(v) == "0");
+  }();
+  int s_min = 1;
+  while (s_min < kWarps && (int64_t)s_min * kRound < n_chunks) s_min *= 2;
+  int groups = 1;
+  while (on && groups * 2 <= kWarps / s_min && tiles / (groups * 2) >= resident) groups *= 2;
+  return kWarps / groups;
+}
+
 template <int F, int NT>
 void launch_nt(MmArgs p, Stream stream, int64_t tiles) {
   constexpr int ni = nt_index(NT);
@@ -423,7 +499,9 @@ void launch_nt(MmArgs p, Stream stream, int64_t tiles) {
   p.stage_x = staged <= stage_max ? 1 : 0;
   MERLIN_CHECK(p.stage_x || !p.fuse_prep, "matmul: a fused preparation needs the activations in shared memory");
   const int64_t resident = (int64_t)g_sm_count * std::max(1, g_resident[F][capped ? 3 : ni][p.stage_x]);
-  const dim3 grid((unsigned)std::min(tiles, resident), (unsigned)((p.n + 8 * NT - 1) / (8 * NT)));
+  p.split = warps_per_tile(p.n_chunks, tiles, resident);
+  const int64_t sets = (tiles + kWarps / p.split - 1) / (kWarps / p.split);
+  const dim3 grid((unsigned)std::min(sets, resident), (unsigned)((p.n + 8 * NT - 1) / (8 * NT)));
   if (capped)
     launch_pdl(mm_kernel<F, NT, 2>, grid, kWarps * 32, p.stage_x ? staged : 0, stream, p);
   else
@@ -502,7 +580,7 @@ MmArgs product_args(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t
                     bool accumulate) {
   const Geometry geo = geometry(w.fmt, w.rows, w.k);
   return MmArgs{w.q, w.s, w.k, geo.n_steps, geo.n_chunks, geo.n_super, x.q, x.scale, x.sum, x.hi, x.lo, x.f,
-                n, d_y, ldy, std::min(n_out_rows, w.rows), w.rows, accumulate ? 1 : 0, geo.tiles, 0, 0, PrepArgs{}};
+                n, d_y, ldy, std::min(n_out_rows, w.rows), w.rows, accumulate ? 1 : 0, geo.tiles, 0, 0, PrepArgs{}, 8};
 }
 
 void launch_product(int fmt, const MmArgs& p, Stream stream) {

@@ -17,6 +17,14 @@ __host__ __device__ constexpr int steps_per_chunk(int f) {
 }
 __host__ __device__ constexpr int step_k(int f) { return f == kF16 || f == kBF16 ? 16 : 32; }
 
+// F16/BF16 matrices are stored row-major, not in fragment order: rows padded to 16, each row to a multiple of
+// 32 elements (zeros), so cuBLAS multiplies them in place (gemm.cu: no expansion) while the decode products
+// still stream them with one 16-byte load per lane. Chunk c of a tile is, for lane 4g + t, the 8 elements of
+// row g + 8 (c & 1) from column 32 (c >> 1) + 8t: chunks 2p and 2p + 1 together hold the A operands of
+// k-steps 2p and 2p + 1 for a fixed permutation of the 32 columns, which the activations follow (matmul.cu).
+__host__ __device__ constexpr bool half_fmt(int f) { return f == kF16 || f == kBF16; }
+__host__ __device__ constexpr int64_t half_ld(int64_t k) { return (k + 31) / 32 * 32; }
+
 inline int fmt_of(DType t) {
   switch (t) {
     case DType::F32: return kF32;
@@ -48,7 +56,7 @@ inline Geometry geometry(int f, int64_t rows_pad, int64_t k) {
     g.q_bytes = (size_t)rows_pad * k * 4;
     return g;
   }
-  g.n_steps = k / step_k(f);
+  g.n_steps = half_fmt(f) ? half_ld(k) / 16 : k / step_k(f);
   g.n_chunks = (g.n_steps + steps_per_chunk(f) - 1) / steps_per_chunk(f);
   g.n_super = k / 256;
   g.q_bytes = (size_t)g.tiles * g.n_chunks * 512;

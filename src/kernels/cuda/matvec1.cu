@@ -459,6 +459,8 @@ bool matvec1(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out_rows, b
     case kMXFP4: launch<kMXFP4>(w, x, d_y, n_out, accumulate, stream); return true;
     case kQ4_K: launch<kQ4_K>(w, x, d_y, n_out, accumulate, stream); return true;
     case kTQ2: launch<kTQ2>(w, x, d_y, n_out, accumulate, stream); return true;
+    case kF16:
+    case kBF16: return matvec1_half(w, x, d_y, n_out, accumulate, stream);
     default: return false;
   }
 }
@@ -468,6 +470,7 @@ void init_matvec1_kernels() {
   MERLIN_CUDA_CHECK(cudaGetDevice(&dev));
   prepare<kQ8_0>();
   prepare<kQ4_0>();
+  init_matvec1_half_kernels();
   prepare<kMXFP4>();
   prepare<kQ4_K>();
   prepare<kTQ2>();

@@ -30,7 +30,7 @@ __device__ int code_at(const RepackArgs& a, int64_t row, int64_t col) {
   return raw_code(a.type, a.src + row * a.row_bytes, col);
 }
 
-// Lane L = 4g + t of a k-step of 32 holds, as four 4-byte registers, rows (g, g+8, g, g+8) and columns
+// Quantized types: lane L = 4g + t of a k-step of 32 holds, as four 4-byte registers, rows (g, g+8, g, g+8) and columns
 // (4t.., 4t.., 16+4t.., 16+4t..): value v of 16 is row g + 8 * ((v >> 2) & 1), column 4t + (v & 3) + 16 * (v >> 3).
 __global__ void repack_codes_kernel(RepackArgs a) {
   const int64_t id = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
@@ -38,22 +38,22 @@ __global__ void repack_codes_kernel(RepackArgs a) {
   if (id >= total) return;
   const int lane = (int)(id % 32), gq = lane >> 2, tq = lane & 3;
   const int64_t chunk = (id / 32) % a.geo.n_chunks, tile = id / 32 / a.geo.n_chunks;
+  if (half_fmt(a.f)) {
+    // Row-major (matrix_layout.cuh): this thread's 16 bytes are row g + 8 (chunk & 1) of the tile, columns
+    // 32 (chunk >> 1) + 8t .. + 7, written at their row-major place; columns past k are zero.
+    const int64_t row = tile * 16 + gq + 8 * (chunk & 1), col0 = (chunk >> 1) * 32 + 8 * tq;
+    uint16_t* dst = reinterpret_cast<uint16_t*>(a.q) + (a.t0 * 16 + row) * half_ld(a.k) + col0;
+    for (int v = 0; v < 8; ++v) {
+      const int64_t col = col0 + v;
+      dst[v] = row < a.rows && col < a.k ? load_u16(a.src + row * a.row_bytes + 2 * col) : 0;
+    }
+    return;
+  }
   uint8_t out[16] = {};
   const int spc = steps_per_chunk(a.f);
   for (int j = 0; j < spc; ++j) {
     const int64_t step = chunk * spc + j;
     if (step >= a.geo.n_steps) break;
-    if (a.f == kF16 || a.f == kBF16) {
-      // m16n8k16: registers hold rows (g, g+8, g, g+8), columns (2t.., 2t.., 8+2t.., 8+2t..), two halves each.
-      for (int v = 0; v < 8; ++v) {
-        const int reg = v >> 1;
-        const int64_t row = tile * 16 + gq + 8 * (reg & 1), col = step * 16 + 2 * tq + (v & 1) + 8 * (reg >> 1);
-        const uint16_t h = row < a.rows ? load_u16(a.src + row * a.row_bytes + 2 * col) : 0;
-        out[2 * v] = (uint8_t)h;
-        out[2 * v + 1] = (uint8_t)(h >> 8);
-      }
-      continue;
-    }
     int code[16];
     for (int v = 0; v < 16; ++v)
       code[v] = code_at(a, tile * 16 + gq + 8 * ((v >> 2) & 1), step * 32 + 4 * tq + (v & 3) + 16 * (v >> 3));
