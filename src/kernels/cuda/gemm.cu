@@ -47,11 +47,14 @@ __device__ __forceinline__ uint16_t to_half_bits(float v) { return __half_as_ush
 // Scale of row rr of tile `tile` for k-step `step` (value = code * scale - min).
 template <int F>
 __device__ __forceinline__ float2 row_scale_min(const ExpandArgs& a, int64_t tile, int rr, int64_t step) {
-  if constexpr (F == kQ8_0 || F == kQ4_0) {
+  if constexpr (F == kQ8_0) {
     const uint16_t b = reinterpret_cast<const uint16_t*>(a.s)[(tile * a.n_steps + step) * 16 + pair_pos(rr)];
     return make_float2(half_bits_to_f32(b), 0.f);
+  } else if constexpr (F == kQ4_0) {
+    const uint16_t b = reinterpret_cast<const uint16_t*>(a.s)[grouped_scale_index(tile, a.n_steps, step, rr)];
+    return make_float2(half_bits_to_f32(b), 0.f);
   } else if constexpr (F == kMXFP4) {
-    return make_float2(e8m0_half(a.s[(tile * a.n_steps + step) * 16 + pair_pos(rr)]), 0.f);
+    return make_float2(e8m0_half(a.s[grouped_scale_index(tile, a.n_steps, step, rr)]), 0.f);
   } else if constexpr (F == kTQ2) {
     const uint16_t b = reinterpret_cast<const uint16_t*>(a.s)[(tile * a.n_super + step / 8) * 16 + pair_pos(rr)];
     return make_float2(half_bits_to_f32(b), 0.f);

@@ -73,10 +73,11 @@ struct XView {
 constexpr int kRound = 4;
 static_assert(kRound % 2 == 0, "half matrices load their chunks in (row g, row g + 8) pairs");
 
-// 32-bit scale words per round: one per k-step (Q8_0, Q4_0: half2 of rows g and g + 8; MXFP4: their two
-// e8m0 bytes), one per super-block of 8 steps (TQ2_0), none (half formats; Q4_K keeps 16-byte headers).
+// 32-bit scale words per round: one per k-step (Q8_0, Q4_0: half2 of rows g and g + 8), one per two k-steps
+// (MXFP4: rows g and g + 8's e8m0 bytes of each), one per super-block of 8 steps (TQ2_0), none (half formats;
+// Q4_K keeps 16-byte headers).
 __host__ __device__ constexpr int round_scales(int f) {
-  return f == kQ8_0 || f == kQ4_0 || f == kMXFP4 ? kRound * steps_per_chunk(f) : f == kTQ2 ? kRound * 4 / 8 : 1;
+  return f == kQ8_0 || f == kQ4_0 ? kRound * steps_per_chunk(f) : f == kMXFP4 ? kRound : f == kTQ2 ? kRound * 4 / 8 : 1;
 }
 
 template <int F>
@@ -107,16 +108,19 @@ __device__ __forceinline__ void load_round(const MmArgs& p, int64_t tile, int64_
   for (int u = 0; u < kRound; ++u)
     if (c0 + u < p.n_chunks) r.w[u] = load_stream(qp + (c0 + u) * 32);
   const int64_t step0 = c0 * steps_per_chunk(F);
-  if constexpr (F == kQ8_0 || F == kQ4_0) {
+  if constexpr (F == kQ8_0) {
     const uint32_t* sp = reinterpret_cast<const uint32_t*>(p.s) + tile * p.n_steps * 8 + g;
 #pragma unroll
     for (int j = 0; j < round_scales(F); ++j)
       if (step0 + j < p.n_steps) r.s[j] = __ldg(sp + (step0 + j) * 8);
-  } else if constexpr (F == kMXFP4) {
-    const uint16_t* sp = reinterpret_cast<const uint16_t*>(p.s) + tile * p.n_steps * 8 + g;
+  } else if constexpr (F == kQ4_0 || F == kMXFP4) {
+    // A round is 8 k-steps from a multiple of 8: one scale group (matrix_layout.cuh), 32 / 16 bytes per lane.
+    const uint8_t* sb = p.s + grouped_scale_index(tile, p.n_steps, step0, g) * (F == kQ4_0 ? 2 : 1);
 #pragma unroll
-    for (int j = 0; j < round_scales(F); ++j)
-      if (step0 + j < p.n_steps) r.s[j] = __ldg(sp + (step0 + j) * 8);
+    for (int j = 0; j < round_scales(F) / 4; ++j) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(sb) + j);
+      r.s[4 * j] = v.x, r.s[4 * j + 1] = v.y, r.s[4 * j + 2] = v.z, r.s[4 * j + 3] = v.w;
+    }
   } else if constexpr (F == kTQ2) {
     const uint32_t* sp = reinterpret_cast<const uint32_t*>(p.s) + tile * p.n_super * 8 + g;
 #pragma unroll
@@ -138,8 +142,9 @@ __device__ __forceinline__ void step_scales(const Round<F>& r, int i, float2& ws
     const float2 r0 = q4k_scale_min(r.h[0], i), r1 = q4k_scale_min(r.h[1], i);
     ws = make_float2(r0.x, r1.x);
     wm = make_float2(r0.y, r1.y);
-  } else if constexpr (F == kMXFP4) {
-    ws = make_float2(e8m0_half((uint8_t)(r.s[i] & 0xFF)), e8m0_half((uint8_t)((r.s[i] >> 8) & 0xFF)));
+  } else if constexpr (F == kMXFP4) {  // step i's bytes (rows g, g + 8) are half-word i of the group
+    const uint32_t b = r.s[i >> 1] >> (16 * (i & 1));
+    ws = make_float2(e8m0_half((uint8_t)(b & 0xFF)), e8m0_half((uint8_t)((b >> 8) & 0xFF)));
   } else {
     const uint32_t bits = F == kTQ2 ? r.s[i / 8] : r.s[i];
     ws = __half22float2(*reinterpret_cast<const __half2*>(&bits));

@@ -44,6 +44,16 @@ inline int fmt_of(DType t) {
 // the lane that needs both reads one 2-element vector.
 __host__ __device__ constexpr int pair_pos(int rr) { return (rr & 7) * 2 + (rr >> 3); }
 
+// Q4_0 and MXFP4 block scales are grouped by 8 k-steps (one round of 4 chunks in the products): per tile and
+// group, row pair g's 8 steps sit together (16 halves, resp. bytes: step j's rows g and g + 8 at 2j, 2j + 1),
+// so a lane loads its round's scales with two (one) 16-byte loads instead of eight small ones. Groups are
+// padded to 8 steps with zero scales. Index in elements (halves for Q4_0, bytes for MXFP4).
+__host__ __device__ constexpr bool grouped_scales(int f) { return f == kQ4_0 || f == kMXFP4; }
+__host__ __device__ constexpr int64_t scale_groups(int64_t n_steps) { return (n_steps + 7) / 8; }
+__host__ __device__ constexpr int64_t grouped_scale_index(int64_t tile, int64_t n_steps, int64_t step, int rr) {
+  return ((tile * scale_groups(n_steps) + step / 8) * 8 + (rr & 7)) * 16 + (step % 8) * 2 + (rr >> 3);
+}
+
 struct Geometry {
   int64_t tiles, n_steps, n_chunks, n_super;
   size_t q_bytes, s_bytes;
@@ -62,8 +72,8 @@ inline Geometry geometry(int f, int64_t rows_pad, int64_t k) {
   g.q_bytes = (size_t)g.tiles * g.n_chunks * 512;
   switch (f) {
     case kQ8_0:
-    case kQ4_0: g.s_bytes = (size_t)g.tiles * g.n_steps * 16 * 2; break;
-    case kMXFP4: g.s_bytes = (size_t)g.tiles * g.n_steps * 16; break;
+    case kQ4_0: g.s_bytes = (size_t)g.tiles * scale_groups(g.n_steps) * 128 * 2; break;
+    case kMXFP4: g.s_bytes = (size_t)g.tiles * scale_groups(g.n_steps) * 128; break;
     case kTQ2: g.s_bytes = (size_t)g.tiles * g.n_super * 16 * 2; break;
     case kQ4_K: g.s_bytes = (size_t)g.tiles * g.n_super * 16 * 16; break;
     default: break;

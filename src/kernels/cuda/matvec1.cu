@@ -54,7 +54,7 @@ struct Mv1Args {
 // Scale words per round: per k-step (Q8_0, Q4_0: half2 of rows g, g + 8; MXFP4: their e8m0 bytes), per
 // super-block (TQ2_0: half2), none (Q4_K: two 16-byte headers instead).
 __host__ __device__ constexpr int round_scales(int f) {
-  return f == kQ8_0 ? kRound : f == kQ4_0 || f == kMXFP4 ? 2 * kRound : f == kTQ2 ? 2 : 1;
+  return f == kQ8_0 ? kRound : f == kTQ2 ? 2 : 1;
 }
 
 template <int F>
@@ -62,7 +62,23 @@ struct Round {
   uint4 w[kRound];
   uint32_t s[round_scales(F)];
   uint4 h[F == kQ4_K ? 2 : 1];
+  uint4 sv[F == kQ4_0 ? 2 : 1];  // Q4_0 / MXFP4: the round's grouped scales (matrix_layout.cuh)
 };
+
+// Scale word of k-step j (0..7) of a round, rows g and g + 8: Q4_0 a half2, MXFP4 two e8m0 bytes.
+template <int F>
+__device__ __forceinline__ uint32_t scale_word(const Round<F>& r, int j) {
+  if constexpr (F == kQ4_0) {
+    const uint4& v = r.sv[j >> 2];
+    const int w = j & 3;
+    return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
+  } else {
+    const uint4& v = r.sv[0];
+    const int w = j >> 1;
+    const uint32_t b = w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
+    return (j & 1) ? b >> 16 : b & 0xFFFFu;
+  }
+}
 
 // Loads round (tile, chunks c0 .. c0 + 3); nc is 0 for a tile past the end, so nothing is loaded.
 template <int F>
@@ -82,14 +98,13 @@ __device__ __forceinline__ void load_round(const Mv1Args& p, int tile, int c0, i
 #pragma unroll
     for (int j = 0; j < round_scales(F); ++j)
       if (step0 + j < p.n_steps) r.s[j] = __ldg(sp + (int64_t)(step0 + j) * 8);
-  } else if constexpr (F == kQ4_0) {
-    const uint32_t* sp = reinterpret_cast<const uint32_t*>(p.s) + (int64_t)tile * p.n_steps * 8 + g;
-#pragma unroll
-    for (int j = 0; j < round_scales(F); ++j) r.s[j] = __ldg(sp + (int64_t)min(step0 + j, p.n_steps - 1) * 8);
+  } else if constexpr (F == kQ4_0) {  // rounds start at multiples of 8 steps: one scale group
+    const uint4* sp = reinterpret_cast<const uint4*>(
+        reinterpret_cast<const uint16_t*>(p.s) + grouped_scale_index(tile, p.n_steps, step0, g));
+    r.sv[0] = __ldg(sp);
+    r.sv[1] = __ldg(sp + 1);
   } else if constexpr (F == kMXFP4) {
-    const uint16_t* sp = reinterpret_cast<const uint16_t*>(p.s) + (int64_t)tile * p.n_steps * 8 + g;
-#pragma unroll
-    for (int j = 0; j < round_scales(F); ++j) r.s[j] = __ldg(sp + (int64_t)min(step0 + j, p.n_steps - 1) * 8);
+    r.sv[0] = __ldg(reinterpret_cast<const uint4*>(p.s + grouped_scale_index(tile, p.n_steps, step0, g)));
   } else if constexpr (F == kTQ2) {  // n_steps % 8 == 0: a round's chunks cover whole super-blocks
     const uint32_t* sp = reinterpret_cast<const uint32_t*>(p.s) + (int64_t)tile * p.n_super * 8 + g;
 #pragma unroll
@@ -169,7 +184,7 @@ __device__ __forceinline__ void compute_round(const Mv1Args& p, const Round<F>& 
         const uint32_t w0 = j == 0 ? r.w[u].x : r.w[u].z, w1 = j == 0 ? r.w[u].y : r.w[u].w;  // rows g, g + 8
         const uint2 x = x_at(xq, step, t);
         const float sx = xs[step];
-        const uint32_t sw = r.s[2 * u + j];
+        const uint32_t sw = scale_word<F>(r, 2 * u + j);
         if constexpr (F == kQ4_0) {
           // Codes are value + 8: dot(code, x) - 8 * sum(x), the correction made by dp4a with bytes of -8.
           const int corr = dp4a(0xF8F8F8F8u, x.x, dp4a(0xF8F8F8F8u, x.y, 0));

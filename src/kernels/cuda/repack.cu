@@ -84,9 +84,9 @@ __global__ void repack_scales_kernel(RepackArgs a) {
       reinterpret_cast<uint16_t*>(a.s)[(gt * per_tile + blk) * 16 + pair_pos(rr)] = load_u16(r + blk * 34);
       break;
     case DType::Q4_0:
-      reinterpret_cast<uint16_t*>(a.s)[(gt * per_tile + blk) * 16 + pair_pos(rr)] = load_u16(r + blk * 18);
+      reinterpret_cast<uint16_t*>(a.s)[grouped_scale_index(gt, per_tile, blk, rr)] = load_u16(r + blk * 18);
       break;
-    case DType::MXFP4: a.s[(gt * per_tile + blk) * 16 + pair_pos(rr)] = r[blk * 17]; break;
+    case DType::MXFP4: a.s[grouped_scale_index(gt, per_tile, blk, rr)] = r[blk * 17]; break;
     case DType::TQ2_0:
       reinterpret_cast<uint16_t*>(a.s)[(gt * per_tile + blk) * 16 + pair_pos(rr)] = load_u16(r + blk * 66 + 64);
       break;
