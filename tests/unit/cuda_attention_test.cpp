@@ -2,7 +2,8 @@
 // - the tiled tensor-core prefill kernel (flash_attention.cu) against the per-token kernel (attention.cu): several
 //   sequences in one batch, runs longer than one 64-query tile, single tokens, positions that do not start at 0,
 //   head sizes 32, 64 and 128;
-// - split-K decode attention against the unsplit kernel at long positions, f16 and f32 caches.
+// - split-K decode attention against the unsplit kernel at long positions, f16 and f32 caches;
+// - the per-token kernel's second output (Wo's input in Q8_0 / F16 / BF16) against prep_act on its float output.
 // Skips without a GPU.
 #include <algorithm>
 #include <cmath>
@@ -85,10 +86,10 @@ struct RandomAttention {
       cu::dev_free(p);
   }
 
-  // The per-token kernel's output (split-K with `scratch`, unsplit without).
-  std::vector<float> per_token(const cu::AttnScratch* scratch = nullptr) const {
+  // The per-token kernel's output (split-K with `scratch`, unsplit without; also written to `emit` if given).
+  std::vector<float> per_token(const cu::AttnScratch* scratch = nullptr, cu::ActBuf* emit = nullptr) const {
     test::DevFloats out(std::vector<float>((size_t)n * ld, 0.f));
-    cu::attention(d_q, ld, 0, n, d_pos, d_seq, n_heads, n_kv_heads, hd, n_ctx, kv, out.p, nullptr, scratch);
+    cu::attention(d_q, ld, 0, n, d_pos, d_seq, n_heads, n_kv_heads, hd, n_ctx, kv, out.p, nullptr, scratch, emit);
     cu::sync_device();
     return download(out.p, (size_t)n * ld);
   }
@@ -237,4 +238,47 @@ TEST(CudaSplitAttention, MatchesUnsplitKernel) {
       }
     }
   }
+}
+
+// The per-token kernel writes Wo's input itself (one kernel less per layer): its codes and scales (Q8_0) or
+// halves (F16, BF16) must be exactly those prep_act(Plain) writes from the float output, split or not.
+TEST(CudaAttention, EmitsTheProductInputOfAPlainPreparation) {
+  REQUIRE_GPU();
+  const int n_ctx = 2048;
+  const std::vector<Token> batch = {{0, 3}, {1, 700}, {2, 2047}, {0, 1500}};
+  for (int hd : {64, 128}) {
+    const RandomAttention a(hd, 8, 2, true, batch, n_ctx, (uint32_t)hd);
+    cu::AttnScratch scratch = cu::attention_scratch_alloc(a.n, 8, hd, n_ctx);
+    ASSERT_GT(scratch.n_split, 1);
+    for (const cu::AttnScratch* sc : {static_cast<const cu::AttnScratch*>(nullptr),
+                                      static_cast<const cu::AttnScratch*>(&scratch)}) {
+      for (cu::ActKind kind : {cu::ActKind::Q8_0, cu::ActKind::F16, cu::ActKind::BF16}) {
+        SCOPED_TRACE("head size " + std::to_string(hd) + (sc ? ", split-K" : ", unsplit") + ", kind " +
+                     std::to_string((int)kind));
+        ASSERT_TRUE(cu::attention_emits(kind, hd));
+        cu::ActBuf got = cu::act_alloc(kind, a.ld, a.n), want = cu::act_alloc(kind, a.ld, a.n);
+        const std::vector<float> out = a.per_token(sc, &got);
+        test::DevFloats d_out(out);
+        cu::PrepArgs p;
+        p.d_x = d_out.p;
+        p.ld = a.ld;
+        cu::prep_act(p, a.n, want, nullptr);
+        cu::sync_device();
+        const size_t elems = (size_t)a.n * a.ld;
+        if (kind == cu::ActKind::Q8_0) {
+          EXPECT_EQ(download(got.q, elems), download(want.q, elems));
+          EXPECT_EQ(download(got.scale, elems / 32), download(want.scale, elems / 32));
+          EXPECT_EQ(download(got.sum, elems / 32), download(want.sum, elems / 32));
+        } else {
+          EXPECT_EQ(download(got.hi, elems), download(want.hi, elems));
+          EXPECT_EQ(download(got.lo, elems), download(want.lo, elems));
+        }
+        cu::act_free(got);
+        cu::act_free(want);
+      }
+    }
+    cu::attention_scratch_free(scratch);
+  }
+  EXPECT_FALSE(cu::attention_emits(cu::ActKind::Q8_0, 48));  // a Q8_0 block must not straddle two heads
+  EXPECT_FALSE(cu::attention_emits(cu::ActKind::Q8_K, 64));
 }

@@ -16,6 +16,7 @@
 // the scratch and the last split to finish combines them in split order (deterministic).
 #include <algorithm>
 
+#include "kernels/cuda/act_impl.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
 
@@ -271,21 +272,36 @@ __device__ __forceinline__ bool arrive_last(int* counter, int n_act) {
   return last;
 }
 
-// out = sum_s e^(m_s - M) O_s / sum_s e^(m_s - M) l_s, summed in split order so the result does not depend on
-// which CTA finished last. Volatile loads: the partials were written by other CTAs, so bypass L1.
-__device__ __forceinline__ void combine_splits(const float* partials, int n_act, int hd, float* o) {
+// Dim d (< hd) of out = sum_s e^(m_s - M) O_s / sum_s e^(m_s - M) l_s, summed in split order so the result
+// does not depend on which CTA finished last. Volatile loads: the partials were written by other CTAs, so
+// bypass L1.
+__device__ __forceinline__ float combine_splits(const float* partials, int n_act, int hd, int d) {
   const volatile float* pv = partials;
   const int stride = hd + 2;
-  for (int d = threadIdx.x; d < hd; d += kAttnThreads) {
-    float m = -INFINITY;
-    for (int s = 0; s < n_act; ++s) m = fmaxf(m, pv[s * stride]);
-    float num = 0.f, den = 0.f;
-    for (int s = 0; s < n_act; ++s) {
-      const float c = expf(pv[s * stride] - m);
-      num += c * pv[s * stride + 2 + d];
-      den += c * pv[s * stride + 1];
-    }
-    o[d] = num / den;
+  float m = -INFINITY;
+  for (int s = 0; s < n_act; ++s) m = fmaxf(m, pv[s * stride]);
+  float num = 0.f, den = 0.f;
+  for (int s = 0; s < n_act; ++s) {
+    const float c = expf(pv[s * stride] - m);
+    num += c * pv[s * stride + 2 + d];
+    den += c * pv[s * stride + 1];
+  }
+  return num / den;
+}
+
+// Writes dim d of head h's output (thread d; hd <= kAttnThreads): the float, and when the Wo product's input
+// buffer is given, its element in that format with prep_kernel's own emit(), so the codes are those a
+// separate Plain preparation would write (a Q8_0 block of 32 is one warp: hd % 32 == 0).
+__device__ __forceinline__ void write_out(float* o, ActBuf qo, int t, int h, int hd, float v) {
+  const int d = threadIdx.x;
+  if (d < hd) o[d] = v;
+  const int64_t i = (int64_t)h * hd + d;
+  if (qo.kind == ActKind::Q8_0) {
+    if ((threadIdx.x & ~31) < hd) emit<(int)ActKind::Q8_0>(v, d < hd, t, i, qo);
+  } else if (qo.kind == ActKind::F16) {
+    emit<(int)ActKind::F16>(v, d < hd, t, i, qo);
+  } else if (qo.kind == ActKind::BF16) {
+    emit<(int)ActKind::BF16>(v, d < hd, t, i, qo);
   }
 }
 
@@ -297,7 +313,7 @@ template <bool F16, bool Split>
 __global__ void __launch_bounds__(kAttnThreads) attention_kernel(const float* qkv, int64_t ld, const int32_t* d_pos,
                                                                  const int32_t* d_seq, int n_heads, int n_kv_heads,
                                                                  int hd, int n_scores, KvArgs kv, float* out,
-                                                                 SplitArgs sp) {
+                                                                 SplitArgs sp, ActBuf qo) {
   extern __shared__ float sm[];
   float* scores = sm;        // [n_scores]
   float* q = sm + n_scores;  // [hd]
@@ -337,14 +353,16 @@ __global__ void __launch_bounds__(kAttnThreads) attention_kernel(const float* qk
   }
   value_pass<F16>(kv, r, scores, p0, p1, part);
   float* o = out + (int64_t)t * n_heads * hd + h * hd;
+  const int d = threadIdx.x;  // hd <= kAttnThreads: one dim per thread
   if (whole) {
-    for (int d = threadIdx.x; d < hd; d += kAttnThreads) o[d] = group_total(part, r, d);
+    write_out(o, qo, t, h, hd, d < hd ? group_total(part, r, d) : 0.f);
     return;
   }
   float* partials = split_partials(sp, t, h, n_heads, hd);
   float* mine = partials + (int64_t)split * (hd + 2);
-  for (int d = threadIdx.x; d < hd; d += kAttnThreads) mine[2 + d] = group_total(part, r, d);
-  if (arrive_last(sp.counter + (int64_t)t * n_heads + h, n_act)) combine_splits(partials, n_act, hd, o);
+  if (d < hd) mine[2 + d] = group_total(part, r, d);
+  if (arrive_last(sp.counter + (int64_t)t * n_heads + h, n_act))
+    write_out(o, qo, t, h, hd, d < hd ? combine_splits(partials, n_act, hd, d) : 0.f);
 }
 
 size_t attention_smem(int n_scores, int hd) { return ((size_t)n_scores + hd + 8 * kAttnThreads) * sizeof(float); }
@@ -399,9 +417,13 @@ void attention_scratch_free(AttnScratch& s) {
   s = AttnScratch{};
 }
 
+bool attention_emits(ActKind kind, int head_dim) {
+  return (kind == ActKind::Q8_0 && head_dim % 32 == 0) || kind == ActKind::F16 || kind == ActKind::BF16;
+}
+
 void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32_t* d_pos, const int32_t* d_seq,
                int n_heads, int n_kv_heads, int head_dim, int n_ctx, const KvArgs& kv, float* d_out, Stream stream,
-               const AttnScratch* scratch) {
+               const AttnScratch* scratch, ActBuf* out_act) {
   if (n <= 0) return;
   (void)k_off;
   MERLIN_CHECK(head_dim % 8 == 0 && head_dim <= 256, "the CUDA attention kernel needs a head size that is a multiple "
@@ -418,8 +440,15 @@ void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32
   const size_t smem = attention_smem(n_scores, head_dim);
   auto kernel = kv.f16 ? (split ? attention_kernel<true, true> : attention_kernel<true, false>)
                        : (split ? attention_kernel<false, true> : attention_kernel<false, false>);
+  ActBuf qo;  // kind F32: no second output
+  if (out_act) {
+    MERLIN_CHECK(attention_emits(out_act->kind, head_dim) && out_act->k == (int64_t)n_heads * head_dim &&
+                     n <= out_act->n_cap,
+                 "attention: the output activation buffer does not fit");
+    qo = *out_act;
+  }
   launch_pdl(kernel, grid, kAttnThreads, smem, stream, d_qkv, ld, d_pos, d_seq, n_heads, n_kv_heads, head_dim, n_scores,
-             kv, d_out, sp);
+             kv, d_out, sp, qo);
   check_launch("attention");
 }
 

@@ -115,7 +115,10 @@ class CudaBackend final : public Backend {
   ActBuf& act(ActKind kind, int64_t k);
   bool use_gemm(const Linear& l, int n) const;
   void prepare_inputs(const cuda::PrepArgs& p, const Linear& l, int n, bool gemm);
-  void run_linear(const Linear& l, const cuda::PrepArgs& p, int n, float* y, int64_t ldy, int64_t n_out, bool acc);
+  // prepared: the input buffers already hold p's result (the attention kernel wrote Wo's input itself).
+  void run_linear(const Linear& l, const cuda::PrepArgs& p, int n, float* y, int64_t ldy, int64_t n_out, bool acc,
+                  bool prepared = false);
+  ActBuf* attention_output_act(const Linear& wo, int n);
   float* upload_floats(const std::vector<float>& v);
 
   const Model& m_;
@@ -124,6 +127,7 @@ class CudaBackend final : public Backend {
   int n_ctx_, n_seq_, max_batch_, block_size_, n_blocks_, max_blocks_;
   bool graphs_ = true;
   bool fuse_prep_ = false;
+  bool attn_emits_ = true;  // MERLIN_CUDA_ATTN_EMIT=0: a separate kernel quantizes the attention output
   // Steps of at least gemm_min_ tokens run their products through cuBLAS (gemm.cu); 0: never.
   int gemm_min_ = 0;
   // Eager steps of at least flash_min_ tokens use the tiled attention kernel (flash_attention.cu); 0: never.
@@ -172,6 +176,7 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   n_blocks_ = opts.n_kv_blocks > 0 ? opts.n_kv_blocks : n_seq_ * max_blocks_;
   if (const char* g = std::getenv("MERLIN_CUDA_GRAPHS"); g && std::string(g) == "0") graphs_ = false;
   if (const char* f = std::getenv("MERLIN_CUDA_FUSE"); f && std::string(f) == "1") fuse_prep_ = true;
+  if (const char* f = std::getenv("MERLIN_CUDA_ATTN_EMIT"); f && std::string(f) == "0") attn_emits_ = false;
   if (const char* k = std::getenv("MERLIN_CUDA_SPLITK"); k && std::string(k) == "0") split_attention_ = false;
   // Prefill products: from 64 tokens on, dequantizing to halves and cuBLAS beat the batched tensor-core kernel,
   // which reads each weight once per 32 tokens (docs/GPU.md). MERLIN_CUDA_GEMM_MIN=0 keeps every step on it.
@@ -350,8 +355,19 @@ void CudaBackend::prepare_inputs(const cuda::PrepArgs& p, const Linear& l, int n
   }
 }
 
+// The per-token attention kernel writes Wo's input in its act format as well (one kernel less per layer)
+// when every part of Wo reads the same format and that format is one it can emit.
+ActBuf* CudaBackend::attention_output_act(const Linear& wo, int n) {
+  if (!attn_emits_ || flash_now_ || use_gemm(wo, n)) return nullptr;
+  const ActKind kind = wo.mats[0].act();
+  for (const Matrix& m : wo.mats)
+    if (m.act() != kind) return nullptr;
+  if (!cuda::attention_emits(kind, (int)c_.head_dim())) return nullptr;
+  return &act(kind, wo.mats[0].k);
+}
+
 void CudaBackend::run_linear(const Linear& l, const cuda::PrepArgs& p, int n, float* y, int64_t ldy, int64_t n_out,
-                             bool acc) {
+                             bool acc, bool prepared) {
   // With MERLIN_CUDA_FUSE=1, decode-sized steps let each product prepare its own input (one launch instead
   // of two). Off by default: on the H200 the separate preparation kernel, overlapped by programmatic
   // dependent launch, was faster than every CTA repeating the row's preparation (docs/GPU.md).
@@ -364,9 +380,9 @@ void CudaBackend::run_linear(const Linear& l, const cuda::PrepArgs& p, int n, fl
     }
     return;
   }
-  bool fused = fuse_prep_;
+  bool fused = fuse_prep_ && !prepared;
   for (const Matrix& m : l.mats) fused = fused && cuda::prep_fuses(m, n);
-  if (!fused) prepare_inputs(p, l, n, false);
+  if (!fused && !prepared) prepare_inputs(p, l, n, false);
   for (size_t i = 0; i < l.mats.size(); ++i) {
     const Matrix& m = l.mats[i];
     ActBuf& x = act(m.act(), m.k);
@@ -398,13 +414,14 @@ void CudaBackend::enqueue(int n, int n_out, Output out) {
     cuda::KvArgs kv{L.k, L.v, kv_elem_ == 2, block_size_, max_blocks_, table_};
     cuda::rope_kv(qkv_, qkv_ld, k_off, v_off, n, pos, seq, cos_sin_, (int)c_.n_heads, (int)c_.n_kv_heads, hd,
                   (int)c_.rot_dims(), kv, stream_);
+    ActBuf* wo_in = attention_output_act(L.wo, n);  // null for tiled attention
     if (flash_now_)
       cuda::flash_attention(qkv_, qkv_ld, d_tiles_, n_tiles_, (int)c_.n_heads, (int)c_.n_kv_heads, hd, kv, att_, stream_);
     else
       cuda::attention(qkv_, qkv_ld, k_off, n, pos, seq, (int)c_.n_heads, (int)c_.n_kv_heads, hd, n_ctx_, kv, att_,
-                      stream_, split_attention_ ? &attn_scratch_ : nullptr);
+                      stream_, split_attention_ ? &attn_scratch_ : nullptr, wo_in);
     cuda::PrepArgs plain{cuda::Prep::Plain, att_, q_dim, nullptr, 0, 0, nullptr};
-    run_linear(L.wo, plain, n, x_, c_.dim, c_.dim, true);
+    run_linear(L.wo, plain, n, x_, c_.dim, c_.dim, true, wo_in != nullptr);
     cuda::PrepArgs norm2{cuda::Prep::RmsNorm, x_, c_.dim, L.ffn_norm, c_.norm_eps, 0, nullptr};
     run_linear(L.gate_up, norm2, n, gu_, gu_ld, gu_ld, false);
     cuda::PrepArgs glu{cuda::Prep::SwiGlu, gu_, gu_ld, nullptr, 0, ffn_off, nullptr};

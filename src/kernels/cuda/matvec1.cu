@@ -182,18 +182,21 @@ __device__ __forceinline__ void compute_round(const Mv1Args& p, const Round<F>& 
         const int step = (c0 + u) * 2 + j;
         if (step >= p.n_steps) break;  // the last chunk of an odd n_steps has no second step
         const uint32_t w0 = j == 0 ? r.w[u].x : r.w[u].z, w1 = j == 0 ? r.w[u].y : r.w[u].w;  // rows g, g + 8
-        const uint2 x = x_at(xq, step, t);
-        const float sx = xs[step];
         const uint32_t sw = scale_word<F>(r, 2 * u + j);
         if constexpr (F == kQ4_0) {
-          // Codes are value + 8: dot(code, x) - 8 * sum(x), the correction made by dp4a with bytes of -8.
-          const int corr = dp4a(0xF8F8F8F8u, x.x, dp4a(0xF8F8F8F8u, x.y, 0));
-          const int d0 = dp4a(w0 & kLo, x.x, dp4a((w0 >> 4) & kLo, x.y, corr));
-          const int d1 = dp4a(w1 & kLo, x.x, dp4a((w1 >> 4) & kLo, x.y, corr));
+          // Codes are value + 8: dot(code, x) - 8 * sum(x); the correction -8 * sum(x) of the lane's 8 bytes
+          // and the block scale come staged with them (stage_x), one 16-byte shared load per step.
+          const uint4 xv = reinterpret_cast<const uint4*>(xq)[step * 4 + t];
+          const int corr = (int)xv.z;
+          const float sx = __int_as_float((int)xv.w);
+          const int d0 = dp4a(w0 & kLo, xv.x, dp4a((w0 >> 4) & kLo, xv.y, corr));
+          const int d1 = dp4a(w1 & kLo, xv.x, dp4a((w1 >> 4) & kLo, xv.y, corr));
           const float2 ws = half2_bits(sw);
           acc0 = fmaf(small_int_to_float(d0), ws.x * sx, acc0);
           acc1 = fmaf(small_int_to_float(d1), ws.y * sx, acc1);
         } else {
+          const uint2 x = x_at(xq, step, t);
+          const float sx = xs[step];
           const int d0 = mxfp4_dot(w0, x.x, x.y, 0), d1 = mxfp4_dot(w1, x.x, x.y, 0);
           acc0 = fmaf(small_int_to_float(d0), e8m0_half((uint8_t)(sw & 0xFF)) * sx, acc0);
           acc1 = fmaf(small_int_to_float(d1), e8m0_half((uint8_t)((sw >> 8) & 0xFF)) * sx, acc1);
@@ -268,6 +271,8 @@ __device__ __forceinline__ void compute_round(const Mv1Args& p, const Round<F>& 
 // Copies the token's activation codes and block scales to shared memory. Step s's 32 codes become 4 groups
 // of 8 bytes, group t = the bytes lane t multiplies: x[4t..4t+3], x[16+4t..16+4t+3], for MXFP4 interleaved
 // (x[4t], x[16+4t], x[4t+1], x[16+4t+1], ...) like the nibbles of its code words.
+// Q4_0 stages 16 bytes per step and lane group instead: the 8 bytes, then -8 times their sum and the
+// block scale, so its inner loop reads one vector per step (stage_bytes).
 template <int F>
 __device__ __forceinline__ void stage_x(const Mv1Args& p, uint8_t* sm) {
   const int kb = (int)(p.k / 32);
@@ -275,6 +280,14 @@ __device__ __forceinline__ void stage_x(const Mv1Args& p, uint8_t* sm) {
   uint4* dst = reinterpret_cast<uint4*>(sm);
   for (int s = threadIdx.x; s < kb; s += kThreads) {
     const uint4 a = src[2 * s], b = src[2 * s + 1];
+    if constexpr (F == kQ4_0) {
+      const uint32_t sx = __float_as_uint(p.xs[s]);
+      const uint32_t lo[4] = {a.x, a.y, a.z, a.w}, hi[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+      for (int t = 0; t < 4; ++t)
+        dst[4 * s + t] = make_uint4(lo[t], hi[t], (uint32_t)dp4a(0xF8F8F8F8u, lo[t], dp4a(0xF8F8F8F8u, hi[t], 0)), sx);
+      continue;
+    }
     if constexpr (F == kMXFP4) {
       dst[2 * s] = make_uint4(__byte_perm(a.x, b.x, 0x5140), __byte_perm(a.x, b.x, 0x7362),
                               __byte_perm(a.y, b.y, 0x5140), __byte_perm(a.y, b.y, 0x7362));
@@ -285,8 +298,10 @@ __device__ __forceinline__ void stage_x(const Mv1Args& p, uint8_t* sm) {
       dst[2 * s + 1] = make_uint4(a.z, b.z, a.w, b.w);
     }
   }
-  float* xs = reinterpret_cast<float*>(sm + p.k);
-  for (int i = threadIdx.x; i < kb; i += kThreads) xs[i] = p.xs[i];
+  if constexpr (F != kQ4_0) {
+    float* xs = reinterpret_cast<float*>(sm + p.k);
+    for (int i = threadIdx.x; i < kb; i += kThreads) xs[i] = p.xs[i];
+  }
   __syncthreads();
 }
 
@@ -389,7 +404,9 @@ __global__ void __launch_bounds__(kThreads, MB) mv1_kernel(Mv1Args p) {
   }
 }
 
-size_t smem_bytes(int64_t k) { return (size_t)k + (size_t)(k / 32) * 4; }
+// Staged activation bytes (stage_x): codes and scales, for Q4_0 16 bytes per 8 codes.
+template <int F>
+size_t smem_bytes(int64_t k) { return F == kQ4_0 ? (size_t)k * 2 : (size_t)k + (size_t)(k / 32) * 4; }
 
 int g_sm_count = 0;
 // CTAs per SM of mv1_kernel<F, MB> for rows up to (bucket + 1) * kKBucket, [F][MB - 2][bucket].
@@ -398,10 +415,10 @@ int g_resident[8][2][kBuckets] = {};
 template <int F, int MB>
 void prepare_mb() {
   MERLIN_CUDA_CHECK(
-      cudaFuncSetAttribute(mv1_kernel<F, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes(kMaxK)));
+      cudaFuncSetAttribute(mv1_kernel<F, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes<F>(kMaxK)));
   for (int b = 0; b < kBuckets; ++b)
     MERLIN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&g_resident[F][MB - 2][b], mv1_kernel<F, MB>,
-                                                                     kThreads, smem_bytes((b + 1) * kKBucket)));
+                                                                     kThreads, smem_bytes<F>((b + 1) * kKBucket)));
 }
 
 template <int F>
@@ -457,8 +474,8 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
   const int tpg = kWarps >> ls;
   p.groups = (p.tiles + tpg - 1) / tpg;
   const unsigned grid = (unsigned)std::min<int64_t>(p.groups, ctas);
-  if (mb == 2) launch_pdl(mv1_kernel<F, 2>, dim3(grid), dim3(kThreads), smem_bytes(w.k), stream, p);
-  else launch_pdl(mv1_kernel<F, 3>, dim3(grid), dim3(kThreads), smem_bytes(w.k), stream, p);
+  if (mb == 2) launch_pdl(mv1_kernel<F, 2>, dim3(grid), dim3(kThreads), smem_bytes<F>(w.k), stream, p);
+  else launch_pdl(mv1_kernel<F, 3>, dim3(grid), dim3(kThreads), smem_bytes<F>(w.k), stream, p);
   check_launch("matvec1");
 }
 

@@ -163,7 +163,10 @@ void attention_scratch_free(AttnScratch& s);
 // the unsplit result bit for bit. Without (null, or a larger batch) every (head, token) is one CTA.
 void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32_t* d_pos, const int32_t* d_seq,
                int n_heads, int n_kv_heads, int head_dim, int n_ctx, const KvArgs& kv, float* d_out, Stream stream,
-               const AttnScratch* scratch = nullptr);
+               const AttnScratch* scratch = nullptr, ActBuf* out_act = nullptr);
+// Whether attention() can also write its output as the next product's input (out_act, row length
+// n_heads * head_dim, the codes a Plain prep_act would write): Q8_0 blocks (head_dim % 32 == 0), F16, BF16.
+bool attention_emits(ActKind kind, int head_dim);
 void attention_prepare(int n_ctx);  // raises the kernel's shared-memory limit for n_ctx positions
 
 // Tiled tensor-core attention for prefill-sized steps (flash_attention.cu): a tile is up to 64 batch tokens
