@@ -18,6 +18,7 @@
 
 #include "kernels/cuda/act_impl.cuh"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/rope_kv.cuh"
 #include "kernels/cuda/ops.h"
 
 namespace merlin::cuda {
@@ -29,19 +30,6 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kAttnThreads = 256;  // attention
 
-__device__ __forceinline__ int64_t kv_slot(const KvArgs& kv, int seq, int pos) {
-  return (int64_t)kv.d_table[(int64_t)seq * kv.max_blocks + pos / kv.block_size] * kv.block_size + pos % kv.block_size;
-}
-
-__device__ __forceinline__ void store_kv(const KvArgs& kv, void* base, int64_t idx, float v) {
-  if (kv.f16) static_cast<__half*>(base)[idx] = __float2half_rn(v);
-  else static_cast<float*>(base)[idx] = v;
-}
-
-// Rotates pair (x0, x1) by the table's angle with the CPU's exact operation order (no fused multiply-add).
-__device__ __forceinline__ float2 rotate(float x0, float x1, float c, float s) {
-  return make_float2(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)), __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
-}
 
 __global__ void __launch_bounds__(kThreads) rope_kv_kernel(float* __restrict__ qkv, int64_t ld, int64_t k_off,
                                                            int64_t v_off, const int32_t* d_pos, const int32_t* d_seq,

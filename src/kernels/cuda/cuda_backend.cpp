@@ -119,6 +119,8 @@ class CudaBackend final : public Backend {
   void run_linear(const Linear& l, const cuda::PrepArgs& p, int n, float* y, int64_t ldy, int64_t n_out, bool acc,
                   bool prepared = false);
   ActBuf* attention_output_act(const Linear& wo, int n);
+  void run_qkv(const Layer& L, const cuda::PrepArgs& norm, int n, const int32_t* pos, const int32_t* seq,
+               const cuda::KvArgs& kv);
   float* upload_floats(const std::vector<float>& v);
 
   const Model& m_;
@@ -128,6 +130,7 @@ class CudaBackend final : public Backend {
   bool graphs_ = true;
   bool fuse_prep_ = false;
   bool attn_emits_ = true;  // MERLIN_CUDA_ATTN_EMIT=0: a separate kernel quantizes the attention output
+  bool rope_fuse_ = true;   // MERLIN_CUDA_ROPE_FUSE=0: one-token steps run rope_kv as its own kernel
   // Steps of at least gemm_min_ tokens run their products through cuBLAS (gemm.cu); 0: never.
   int gemm_min_ = 0;
   // Eager steps of at least flash_min_ tokens use the tiled attention kernel (flash_attention.cu); 0: never.
@@ -177,6 +180,7 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   if (const char* g = std::getenv("MERLIN_CUDA_GRAPHS"); g && std::string(g) == "0") graphs_ = false;
   if (const char* f = std::getenv("MERLIN_CUDA_FUSE"); f && std::string(f) == "1") fuse_prep_ = true;
   if (const char* f = std::getenv("MERLIN_CUDA_ATTN_EMIT"); f && std::string(f) == "0") attn_emits_ = false;
+  if (const char* f = std::getenv("MERLIN_CUDA_ROPE_FUSE"); f && std::string(f) == "0") rope_fuse_ = false;
   if (const char* k = std::getenv("MERLIN_CUDA_SPLITK"); k && std::string(k) == "0") split_attention_ = false;
   // Prefill products: from 64 tokens on, dequantizing to halves and cuBLAS beat the batched tensor-core kernel,
   // which reads each weight once per 32 tokens (docs/GPU.md). MERLIN_CUDA_GEMM_MIN=0 keeps every step on it.
@@ -366,6 +370,36 @@ ActBuf* CudaBackend::attention_output_act(const Linear& wo, int n) {
   return &act(kind, wo.mats[0].k);
 }
 
+// QKV product, RoPE and the K/V cache write. A one-token step does the last two in the single-token
+// product's epilogue (matmul_rope_kv: one kernel less per layer, same bits).
+void CudaBackend::run_qkv(const Layer& L, const cuda::PrepArgs& norm, int n, const int32_t* pos, const int32_t* seq,
+                          const cuda::KvArgs& kv) {
+  const int hd = (int)c_.head_dim();
+  const int64_t q_dim = c_.n_heads * hd, kv_dim = c_.kv_dim(), qkv_ld = L.qkv.rows;
+  const int64_t k_off = cuda::padded_rows(q_dim), v_off = k_off + cuda::padded_rows(kv_dim);
+  if (n == 1 && rope_fuse_ && L.qkv.mats.size() == 1 && !use_gemm(L.qkv, n)) {
+    prepare_inputs(norm, L.qkv, n, false);
+    const Matrix& m = L.qkv.mats[0];
+    cuda::RopeKvArgs r;
+    r.d_pos = pos;
+    r.d_seq = seq;
+    r.d_cos_sin = cos_sin_;
+    r.q_dim = q_dim;
+    r.kv_dim = kv_dim;
+    r.k_off = k_off;
+    r.v_off = v_off;
+    r.hd = hd;
+    r.n_rot = (int)c_.rot_dims();
+    r.kv = kv;
+    if (cuda::matmul_rope_kv(m, act(m.act(), m.k), qkv_, r, stream_)) return;
+    cuda::matmul(m, act(m.act(), m.k), n, qkv_, qkv_ld, qkv_ld, false, stream_);
+  } else {
+    run_linear(L.qkv, norm, n, qkv_, qkv_ld, qkv_ld, false);
+  }
+  cuda::rope_kv(qkv_, qkv_ld, k_off, v_off, n, pos, seq, cos_sin_, (int)c_.n_heads, (int)c_.n_kv_heads, hd,
+                (int)c_.rot_dims(), kv, stream_);
+}
+
 void CudaBackend::run_linear(const Linear& l, const cuda::PrepArgs& p, int n, float* y, int64_t ldy, int64_t n_out,
                              bool acc, bool prepared) {
   // With MERLIN_CUDA_FUSE=1, decode-sized steps let each product prepare its own input (one launch instead
@@ -404,16 +438,13 @@ void CudaBackend::enqueue(int n, int n_out, Output out) {
   const Weight& e = m_.token_embd();
   cuda::embed(e.type, embd_, e.row_bytes, c_.dim, tokens, n, x_, stream_);
   const int hd = (int)c_.head_dim();
-  const int64_t q_dim = c_.n_heads * hd, kv_dim = c_.kv_dim();
-  const int64_t k_off = cuda::padded_rows(q_dim), v_off = k_off + cuda::padded_rows(kv_dim);
+  const int64_t q_dim = c_.n_heads * hd, k_off = cuda::padded_rows(q_dim);
   const int64_t ffn_off = cuda::padded_rows(c_.ffn_dim);
   for (Layer& L : layers_) {
     const int64_t qkv_ld = L.qkv.rows, gu_ld = L.gate_up.rows;
     cuda::PrepArgs norm{cuda::Prep::RmsNorm, x_, c_.dim, L.attn_norm, c_.norm_eps, 0, nullptr};
-    run_linear(L.qkv, norm, n, qkv_, qkv_ld, qkv_ld, false);
-    cuda::KvArgs kv{L.k, L.v, kv_elem_ == 2, block_size_, max_blocks_, table_};
-    cuda::rope_kv(qkv_, qkv_ld, k_off, v_off, n, pos, seq, cos_sin_, (int)c_.n_heads, (int)c_.n_kv_heads, hd,
-                  (int)c_.rot_dims(), kv, stream_);
+    const cuda::KvArgs kv{L.k, L.v, kv_elem_ == 2, block_size_, max_blocks_, table_};
+    run_qkv(L, norm, n, pos, seq, kv);
     ActBuf* wo_in = attention_output_act(L.wo, n);  // null for tiled attention
     if (flash_now_)
       cuda::flash_attention(qkv_, qkv_ld, d_tiles_, n_tiles_, (int)c_.n_heads, (int)c_.n_kv_heads, hd, kv, att_, stream_);

@@ -26,6 +26,7 @@
 #include "kernels/cuda/matrix_layout.cuh"
 #include "kernels/cuda/matvec1.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/rope_kv.cuh"
 
 namespace merlin::cuda {
 namespace {
@@ -49,6 +50,8 @@ struct Mv1Args {
   float* y;
   int64_t n_out;
   int accumulate;
+  int rope_on;      // 1: y is the stacked QKV product, finished by rope_store (matmul_rope_kv)
+  RopeKvArgs rope;
 };
 
 // Scale words per round: per k-step (Q8_0, Q4_0: half2 of rows g, g + 8; MXFP4: their e8m0 bytes), per
@@ -312,8 +315,10 @@ struct Cursor {
 };
 
 // Adds the S warps' row sums of the tile group in a fixed order and writes (or adds) the outputs.
+// With rope_on, row r goes through rope_store with its pair partner r ^ 1 (same tile): lane ^ 4 holds it
+// when a warp owns the tile, thread ^ 1 after the shared-memory reduction.
 __device__ __forceinline__ void finish_group(const Mv1Args& p, int grp, int warp, int lane, float acc0, float acc1,
-                                             float (*red)[16]) {
+                                             float (*red)[16], int64_t slot, const float* cs) {
   // The 4 lanes of a row: xor shuffles give every lane the same sum (float addition is commutative).
   acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
   acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
@@ -321,6 +326,13 @@ __device__ __forceinline__ void finish_group(const Mv1Args& p, int grp, int warp
   acc1 += __shfl_xor_sync(0xffffffffu, acc1, 2);
   const int S = 1 << p.lsplit, tpg = kWarps >> p.lsplit;
   if (S == 1) {  // a warp owns its tile: no barrier needed
+    if (p.rope_on) {
+      const float w0 = __shfl_xor_sync(0xffffffffu, acc0, 4), w1 = __shfl_xor_sync(0xffffffffu, acc1, 4);
+      const int64_t r0 = ((int64_t)grp * tpg + warp) * 16 + (lane >> 2);
+      if ((lane & 3) == 0 && r0 < p.n_out) rope_store(p.rope, p.y, r0, acc0, w0, slot, cs);
+      if ((lane & 3) == 0 && r0 + 8 < p.n_out) rope_store(p.rope, p.y, r0 + 8, acc1, w1, slot, cs);
+      return;
+    }
     if ((lane & 3) == 0) {
       const int64_t r0 = ((int64_t)grp * tpg + warp) * 16 + (lane >> 2);
       if (r0 < p.n_out) p.y[r0] = p.accumulate ? p.y[r0] + acc0 : acc0;
@@ -333,12 +345,20 @@ __device__ __forceinline__ void finish_group(const Mv1Args& p, int grp, int warp
     red[warp][(lane >> 2) + 8] = acc1;
   }
   __syncthreads();
-  if ((int)threadIdx.x < tpg * 16) {
-    const int slot = threadIdx.x >> 4, rr = threadIdx.x & 15;
+  const int n_act = tpg * 16;
+  if ((int)threadIdx.x < ((n_act + 31) & ~31)) {  // whole warps, for the partner shuffle
+    const bool act = (int)threadIdx.x < n_act;
+    const int ts = threadIdx.x >> 4, rr = threadIdx.x & 15;
     float v = 0.f;
-    for (int s = 0; s < S; ++s) v += red[slot * S + s][rr];
-    const int64_t row = ((int64_t)grp * tpg + slot) * 16 + rr;
-    if (row < p.n_out) p.y[row] = p.accumulate ? p.y[row] + v : v;
+    if (act)
+      for (int s = 0; s < S; ++s) v += red[ts * S + s][rr];
+    const int64_t row = ((int64_t)grp * tpg + ts) * 16 + rr;
+    if (p.rope_on) {
+      const float w = __shfl_xor_sync(0xffffffffu, v, 1);
+      if (act && row < p.n_out) rope_store(p.rope, p.y, row, v, w, slot, cs);
+    } else if (act && row < p.n_out) {
+      p.y[row] = p.accumulate ? p.y[row] + v : v;
+    }
   }
   // No second barrier: the next group uses the other half of the (double) red buffer, and a warp can only
   // write that half again after the next group's barrier, which every reader of this half has passed.
@@ -378,6 +398,15 @@ __global__ void __launch_bounds__(kThreads, MB) mv1_kernel(Mv1Args p) {
   Round<F> ra{}, rb{};
   Cursor cur{(int)blockIdx.x, 0};
   if (n_items > 0) load_round<F>(p, tile_of(cur), chunk_of(cur), nc_of(cur), lane, ra);
+  // The token's cache slot and cos/sin row: positions, sequences and block tables are written before the
+  // step's first kernel starts, never by a kernel, so they may be read before pdl_wait.
+  int64_t kv_at = 0;
+  const float* cs = nullptr;
+  if (p.rope_on) {
+    const int pos = p.rope.d_pos[0];
+    kv_at = kv_slot(p.rope.kv, p.rope.d_seq[0], pos);
+    cs = p.rope.d_cos_sin + (int64_t)pos * p.rope.n_rot;
+  }
   pdl_trigger();
   pdl_wait();
   stage_x<F>(p, smem);
@@ -392,7 +421,7 @@ __global__ void __launch_bounds__(kThreads, MB) mv1_kernel(Mv1Args p) {
     if (i + 1 < n_items) load_round<F>(p, tile_of(nx), chunk_of(nx), nc_of(nx), lane, next);
     compute_round<F>(p, now, chunk_of(cur), nc_of(cur), xq, xs, t, acc0, acc1);
     if (cur.r == p.rounds - 1) {
-      finish_group(p, cur.grp, warp, lane, acc0, acc1, red[parity]);
+      finish_group(p, cur.grp, warp, lane, acc0, acc1, red[parity], kv_at, cs);
       parity ^= 1;
       acc0 = acc1 = 0.f;
     }
@@ -441,7 +470,8 @@ int mv1_mode() {
 }
 
 template <int F>
-void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool accumulate, Stream stream) {
+void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool accumulate, Stream stream,
+            const RopeKvArgs* rope = nullptr) {
   const Geometry geo = geometry(F, w.rows, w.k);
   Mv1Args p{};
   p.q = w.q;
@@ -456,6 +486,8 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
   p.y = d_y;
   p.n_out = n_out;
   p.accumulate = accumulate ? 1 : 0;
+  p.rope_on = rope ? 1 : 0;
+  if (rope) p.rope = *rope;
   const int mb = mv1_mode() >= 2 ? mv1_mode() : min_blocks(F);
   const int per_sm = std::max(1, g_resident[F][mb - 2][(w.k - 1) / kKBucket]);
   const int64_t ctas = (int64_t)g_sm_count * per_sm;
@@ -481,20 +513,37 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
 
 }  // namespace
 
-bool matvec1(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out_rows, bool accumulate, Stream stream) {
+namespace {
+
+bool dispatch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out_rows, bool accumulate, Stream stream,
+              const RopeKvArgs* rope) {
   if (mv1_mode() == 0 || w.k > kMaxK || w.k <= 0 || g_sm_count == 0) return false;
   const int64_t n_out = std::min(n_out_rows, w.rows);
   if (n_out <= 0) return true;
   switch (w.fmt) {
-    case kQ8_0: launch<kQ8_0>(w, x, d_y, n_out, accumulate, stream); return true;
-    case kQ4_0: launch<kQ4_0>(w, x, d_y, n_out, accumulate, stream); return true;
-    case kMXFP4: launch<kMXFP4>(w, x, d_y, n_out, accumulate, stream); return true;
-    case kQ4_K: launch<kQ4_K>(w, x, d_y, n_out, accumulate, stream); return true;
-    case kTQ2: launch<kTQ2>(w, x, d_y, n_out, accumulate, stream); return true;
+    case kQ8_0: launch<kQ8_0>(w, x, d_y, n_out, accumulate, stream, rope); return true;
+    case kQ4_0: launch<kQ4_0>(w, x, d_y, n_out, accumulate, stream, rope); return true;
+    case kMXFP4: launch<kMXFP4>(w, x, d_y, n_out, accumulate, stream, rope); return true;
+    case kQ4_K: launch<kQ4_K>(w, x, d_y, n_out, accumulate, stream, rope); return true;
+    case kTQ2: launch<kTQ2>(w, x, d_y, n_out, accumulate, stream, rope); return true;
     case kF16:
-    case kBF16: return matvec1_half(w, x, d_y, n_out, accumulate, stream);
+    case kBF16: return matvec1_half(w, x, d_y, n_out, accumulate, stream, rope);
     default: return false;
   }
+}
+
+}  // namespace
+
+bool matvec1(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out_rows, bool accumulate, Stream stream) {
+  return dispatch(w, x, d_y, n_out_rows, accumulate, stream, nullptr);
+}
+
+bool matmul_rope_kv(const Matrix& w, const ActBuf& x, float* d_qkv, const RopeKvArgs& r, Stream stream) {
+  MERLIN_CHECK(x.kind == w.act() && x.k == w.k && x.n_cap >= 1, "matmul_rope_kv: activation buffer does not fit");
+  MERLIN_CHECK(r.hd % 2 == 0 && r.n_rot <= r.hd && r.q_dim <= r.k_off && r.k_off + r.kv_dim <= r.v_off &&
+                   r.v_off + r.kv_dim <= w.rows,
+               "matmul_rope_kv: Q/K/V rows do not fit the matrix");
+  return dispatch(w, x, d_qkv, w.rows, false, stream, &r);
 }
 
 void init_matvec1_kernels() {

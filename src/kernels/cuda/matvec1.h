@@ -13,7 +13,8 @@ namespace merlin::cuda {
 bool matvec1(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out_rows, bool accumulate, Stream stream);
 
 // F16/BF16 rows (matvec1_half.cu); false when the row is too long for its staged activations.
-bool matvec1_half(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool accumulate, Stream stream);
+bool matvec1_half(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool accumulate, Stream stream,
+                  const RopeKvArgs* rope = nullptr);
 void init_matvec1_half_kernels();
 
 // Called once by init_matmul_kernels (never inside a graph capture): kernel attributes and occupancy.

@@ -13,6 +13,7 @@
 #include "kernels/cuda/fragment.cuh"
 #include "kernels/cuda/matrix_layout.cuh"
 #include "kernels/cuda/matvec1.h"
+#include "kernels/cuda/rope_kv.cuh"
 
 namespace merlin::cuda {
 namespace {
@@ -33,6 +34,8 @@ struct HalfArgs {
   float* y;
   int64_t n_out;
   int accumulate;
+  int rope_on;  // rows 2j and 2j + 1 (one warp's pair) go through rope_store (matmul_rope_kv)
+  RopeKvArgs rope;
 };
 
 struct HalfRound {
@@ -121,6 +124,13 @@ __global__ void __launch_bounds__(kThreads, 2) mv1_half_kernel(HalfArgs p) {
   auto group_of = [&](int64_t i) { return gw + i / p.items * nw; };
   HalfRound ra{}, rb{};
   if (n_items > 0) load_item(p, group_of(0), 0, lane, ra);
+  int64_t slot = 0;  // positions, sequences and tables are never written by a kernel (matvec1.cu)
+  const float* cs = nullptr;
+  if (p.rope_on) {
+    const int pos = p.rope.d_pos[0];
+    slot = kv_slot(p.rope.kv, p.rope.d_seq[0], pos);
+    cs = p.rope.d_cos_sin + (int64_t)pos * p.rope.n_rot;
+  }
   pdl_trigger();
   pdl_wait();
   stage_x<BF>(p, xs);
@@ -130,12 +140,19 @@ __global__ void __launch_bounds__(kThreads, 2) mv1_half_kernel(HalfArgs p) {
     const int it = (int)(i % p.items);
     compute_item<BF>(p, now, it, lane, xs, acc);
     if (it == p.items - 1) {
+      float v[kRows];
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
-        const float v = warp_sum(acc[r]);
-        const int64_t row = group_of(i) * kRows + r;
-        if (lane == 0 && row < p.n_out) p.y[row] = p.accumulate ? p.y[row] + v : v;
+        v[r] = warp_sum(acc[r]);
         acc[r] = 0.f;
+      }
+      static_assert(kRows == 2, "a warp's rows are one RoPE pair");
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t row = group_of(i) * kRows + r;
+        if (lane != 0 || row >= p.n_out) continue;
+        if (p.rope_on) rope_store(p.rope, p.y, row, v[r], v[r ^ 1], slot, cs);
+        else p.y[row] = p.accumulate ? p.y[row] + v[r] : v[r];
       }
     }
   };
@@ -150,7 +167,8 @@ int g_resident[2] = {};  // CTAs per SM at the largest staging (F16, BF16)
 
 }  // namespace
 
-bool matvec1_half(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool accumulate, Stream stream) {
+bool matvec1_half(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool accumulate, Stream stream,
+                  const RopeKvArgs* rope) {
   const int64_t ld = half_ld(w.k);
   if (!half_fmt(w.fmt) || ld > kMaxK || g_sm_count == 0) return false;
   HalfArgs p{};
@@ -164,6 +182,8 @@ bool matvec1_half(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, b
   p.y = d_y;
   p.n_out = n_out;
   p.accumulate = accumulate ? 1 : 0;
+  p.rope_on = rope ? 1 : 0;
+  if (rope) p.rope = *rope;
   const bool bf = w.fmt == kBF16;
   const int64_t ctas = (int64_t)g_sm_count * std::max(1, g_resident[bf ? 1 : 0]);
   const unsigned grid = (unsigned)std::min<int64_t>((p.groups + kWarps - 1) / kWarps, ctas);

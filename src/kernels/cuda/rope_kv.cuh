@@ -1,0 +1,44 @@
+// RoPE and the K/V cache write, shared by rope_kv_kernel (attention.cu) and the single-token products that
+// apply them in their epilogue (matvec1.cu, matvec1_half.cu): the same operations in the same order, so the
+// fused path writes the bits the separate kernel would.
+#pragma once
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/ops.h"
+
+namespace merlin::cuda {
+
+__device__ __forceinline__ int64_t kv_slot(const KvArgs& kv, int seq, int pos) {
+  return (int64_t)kv.d_table[(int64_t)seq * kv.max_blocks + pos / kv.block_size] * kv.block_size + pos % kv.block_size;
+}
+
+__device__ __forceinline__ void store_kv(const KvArgs& kv, void* base, int64_t idx, float v) {
+  if (kv.f16) static_cast<__half*>(base)[idx] = __float2half_rn(v);
+  else static_cast<float*>(base)[idx] = v;
+}
+
+// Rotates pair (x0, x1) by the table's angle with the CPU's exact operation order (no fused multiply-add).
+__device__ __forceinline__ float2 rotate(float x0, float x1, float c, float s) {
+  return make_float2(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)), __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
+}
+
+// Where a single-token QKV product's epilogue sends row r (value v, its RoPE partner r ^ 1 has w): Q rows,
+// rotated, to the qkv buffer; K rows, rotated, and V rows to the cache slot of (seq, pos). `slot` and `cs`
+// (the position's cos/sin row) are looked up once per CTA.
+__device__ __forceinline__ void rope_store(const RopeKvArgs& a, float* y, int64_t r, float v, float w, int64_t slot,
+                                           const float* cs) {
+  const int half_rot = a.n_rot / 2;
+  if (r < a.q_dim) {
+    const int i = (int)(r % a.hd) / 2;
+    if (i < half_rot) v = (r & 1) ? rotate(w, v, cs[2 * i], cs[2 * i + 1]).y : rotate(v, w, cs[2 * i], cs[2 * i + 1]).x;
+    y[r] = v;
+  } else if (r >= a.k_off && r < a.k_off + a.kv_dim) {
+    const int64_t e = r - a.k_off;
+    const int i = (int)(e % a.hd) / 2;
+    if (i < half_rot) v = (e & 1) ? rotate(w, v, cs[2 * i], cs[2 * i + 1]).y : rotate(v, w, cs[2 * i], cs[2 * i + 1]).x;
+    store_kv(a.kv, a.kv.d_k, slot * a.kv_dim + e, v);
+  } else if (r >= a.v_off && r < a.v_off + a.kv_dim) {
+    store_kv(a.kv, a.kv.d_v, slot * a.kv_dim + (r - a.v_off), v);
+  }
+}
+
+}  // namespace merlin::cuda
