@@ -115,9 +115,10 @@ __device__ __forceinline__ void load_round(const MmArgs& p, int64_t tile, int64_
       if (step0 + j < p.n_steps) r.s[j] = __ldg(sp + (step0 + j) * 8);
   } else if constexpr (F == kQ4_0 || F == kMXFP4) {
     // A round is 8 k-steps from a multiple of 8: one scale group (matrix_layout.cuh), 32 / 16 bytes per lane.
+    // A warp whose round lies past the end of k loads none (its group does not exist).
     const uint8_t* sb = p.s + grouped_scale_index(tile, p.n_steps, step0, g) * (F == kQ4_0 ? 2 : 1);
 #pragma unroll
-    for (int j = 0; j < round_scales(F) / 4; ++j) {
+    for (int j = 0; j < round_scales(F) / 4 && step0 < p.n_steps; ++j) {
       const uint4 v = __ldg(reinterpret_cast<const uint4*>(sb) + j);
       r.s[4 * j] = v.x, r.s[4 * j + 1] = v.y, r.s[4 * j + 2] = v.z, r.s[4 * j + 3] = v.w;
     }
