@@ -1,12 +1,14 @@
 // Host entry points of the CUDA kernels (plain C++: the backend and the tests include this without CUDA
 // headers). All pointers named d_* are device pointers; every call is asynchronous on `stream`.
 //
-// Matrices are repacked at upload into "fragment order": tiles of 16 rows, and within a tile, for each
-// k-step of the tensor-core instruction (mma.sync m16n8k32 for int8, m16n8k16 for f16/bf16), the 16 bytes
-// that lane L of a warp needs as its A operand lie at offset 16 * L. A warp then streams a weight matrix
-// with one coalesced 16-byte load per lane per step, the layout Marlin uses. Quantized weights keep their
-// integer codes and block scales (no precision is lost); activations are quantized the way the CPU backend
-// does (Q8_0 blocks of 32, or Q8_K super-blocks of 256), so the integer block sums equal the CPU's exactly.
+// Quantized matrices are repacked at upload into "fragment order": tiles of 16 rows, and within a tile, for
+// each k-step of the tensor-core instruction (mma.sync m16n8k32), the 16 bytes that lane L of a warp needs as
+// its A operand lie at offset 16 * L. A warp then streams a weight matrix with one coalesced 16-byte load per
+// lane per step, the layout Marlin uses. They keep their integer codes and block scales (no precision is
+// lost); activations are quantized the way the CPU backend does (Q8_0 blocks of 32, or Q8_K super-blocks of
+// 256), so the integer block sums equal the CPU's exactly. F16/BF16 matrices stay row-major (rows padded to
+// 32 columns), which cuBLAS reads in place and the products read with a matching column permutation
+// (matrix_layout.cuh).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -71,7 +73,7 @@ struct Matrix {
   int fmt = 0;              // internal format id (ops.cu)
   int64_t rows = 0;         // output rows, each part padded to a multiple of 16
   int64_t k = 0;
-  uint8_t* q = nullptr;     // fragment-ordered codes (or raw F32 rows)
+  uint8_t* q = nullptr;     // fragment-ordered codes (F16/BF16: padded row-major halves; F32: raw rows)
   uint8_t* s = nullptr;     // scales
   size_t bytes = 0;
   ActKind act() const;
@@ -101,10 +103,11 @@ void matmul_prep(const Matrix& w, const PrepArgs& prep, ActBuf& x, int n, float*
                  bool accumulate, Stream stream);
 
 // ---- prefill-sized products through cuBLAS (gemm.cu) ----
-// For steps of many tokens the weights are expanded chunk by chunk into row-major f16 (bf16 for BF16
-// weights) and multiplied by cuBLAS with f32 accumulation; x is read from the `hi` plane of an ActBuf of
-// gemm_act_kind(w), i.e. rounded to that half type (what llama.cpp's and PyTorch's half paths do). cuBLAS
-// is loaded with dlopen on first use; gemm_available (cuda_api.h) says whether it could be.
+// For steps of many tokens quantized weights are expanded chunk by chunk into row-major f16 (F16/BF16
+// matrices are used as stored) and multiplied by cuBLAS with f32 accumulation; x is read from the `hi`
+// plane of an ActBuf of gemm_act_kind(w), i.e. rounded to that half type (what llama.cpp's and PyTorch's
+// half paths do). cuBLAS is loaded with dlopen on first use; gemm_available (cuda_api.h) says whether it
+// could be.
 bool gemm_supports(const Matrix& w);  // every format but F32
 ActKind gemm_act_kind(const Matrix& w);
 class GemmRunner {
