@@ -318,7 +318,7 @@ struct Cursor {
 // With rope_on, row r goes through rope_store with its pair partner r ^ 1 (same tile): lane ^ 4 holds it
 // when a warp owns the tile, thread ^ 1 after the shared-memory reduction.
 __device__ __forceinline__ void finish_group(const Mv1Args& p, int grp, int warp, int lane, float acc0, float acc1,
-                                             float (*red)[16], int64_t slot, const float* cs) {
+                                             float (*red)[16], const RopeTarget& at) {
   // The 4 lanes of a row: xor shuffles give every lane the same sum (float addition is commutative).
   acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
   acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
@@ -329,8 +329,8 @@ __device__ __forceinline__ void finish_group(const Mv1Args& p, int grp, int warp
     if (p.rope_on) {
       const float w0 = __shfl_xor_sync(0xffffffffu, acc0, 4), w1 = __shfl_xor_sync(0xffffffffu, acc1, 4);
       const int64_t r0 = ((int64_t)grp * tpg + warp) * 16 + (lane >> 2);
-      if ((lane & 3) == 0 && r0 < p.n_out) rope_store(p.rope, p.y, r0, acc0, w0, slot, cs);
-      if ((lane & 3) == 0 && r0 + 8 < p.n_out) rope_store(p.rope, p.y, r0 + 8, acc1, w1, slot, cs);
+      if ((lane & 3) == 0 && r0 < p.n_out) rope_store(p.rope, p.y, r0, acc0, w0, at);
+      if ((lane & 3) == 0 && r0 + 8 < p.n_out) rope_store(p.rope, p.y, r0 + 8, acc1, w1, at);
       return;
     }
     if ((lane & 3) == 0) {
@@ -355,7 +355,7 @@ __device__ __forceinline__ void finish_group(const Mv1Args& p, int grp, int warp
     const int64_t row = ((int64_t)grp * tpg + ts) * 16 + rr;
     if (p.rope_on) {
       const float w = __shfl_xor_sync(0xffffffffu, v, 1);
-      if (act && row < p.n_out) rope_store(p.rope, p.y, row, v, w, slot, cs);
+      if (act && row < p.n_out) rope_store(p.rope, p.y, row, v, w, at);
     } else if (act && row < p.n_out) {
       p.y[row] = p.accumulate ? p.y[row] + v : v;
     }
@@ -398,15 +398,7 @@ __global__ void __launch_bounds__(kThreads, MB) mv1_kernel(Mv1Args p) {
   Round<F> ra{}, rb{};
   Cursor cur{(int)blockIdx.x, 0};
   if (n_items > 0) load_round<F>(p, tile_of(cur), chunk_of(cur), nc_of(cur), lane, ra);
-  // The token's cache slot and cos/sin row: positions, sequences and block tables are written before the
-  // step's first kernel starts, never by a kernel, so they may be read before pdl_wait.
-  int64_t kv_at = 0;
-  const float* cs = nullptr;
-  if (p.rope_on) {
-    const int pos = p.rope.d_pos[0];
-    kv_at = kv_slot(p.rope.kv, p.rope.d_seq[0], pos);
-    cs = p.rope.d_cos_sin + (int64_t)pos * p.rope.n_rot;
-  }
+  const RopeTarget at = p.rope_on ? rope_target(p.rope) : RopeTarget{};
   pdl_trigger();
   pdl_wait();
   stage_x<F>(p, smem);
@@ -421,7 +413,7 @@ __global__ void __launch_bounds__(kThreads, MB) mv1_kernel(Mv1Args p) {
     if (i + 1 < n_items) load_round<F>(p, tile_of(nx), chunk_of(nx), nc_of(nx), lane, next);
     compute_round<F>(p, now, chunk_of(cur), nc_of(cur), xq, xs, t, acc0, acc1);
     if (cur.r == p.rounds - 1) {
-      finish_group(p, cur.grp, warp, lane, acc0, acc1, red[parity], kv_at, cs);
+      finish_group(p, cur.grp, warp, lane, acc0, acc1, red[parity], at);
       parity ^= 1;
       acc0 = acc1 = 0.f;
     }

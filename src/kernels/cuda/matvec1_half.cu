@@ -124,13 +124,7 @@ __global__ void __launch_bounds__(kThreads, 2) mv1_half_kernel(HalfArgs p) {
   auto group_of = [&](int64_t i) { return gw + i / p.items * nw; };
   HalfRound ra{}, rb{};
   if (n_items > 0) load_item(p, group_of(0), 0, lane, ra);
-  int64_t slot = 0;  // positions, sequences and tables are never written by a kernel (matvec1.cu)
-  const float* cs = nullptr;
-  if (p.rope_on) {
-    const int pos = p.rope.d_pos[0];
-    slot = kv_slot(p.rope.kv, p.rope.d_seq[0], pos);
-    cs = p.rope.d_cos_sin + (int64_t)pos * p.rope.n_rot;
-  }
+  const RopeTarget at = p.rope_on ? rope_target(p.rope) : RopeTarget{};
   pdl_trigger();
   pdl_wait();
   stage_x<BF>(p, xs);
@@ -151,7 +145,7 @@ __global__ void __launch_bounds__(kThreads, 2) mv1_half_kernel(HalfArgs p) {
       for (int r = 0; r < kRows; ++r) {
         const int64_t row = group_of(i) * kRows + r;
         if (lane != 0 || row >= p.n_out) continue;
-        if (p.rope_on) rope_store(p.rope, p.y, row, v[r], v[r ^ 1], slot, cs);
+        if (p.rope_on) rope_store(p.rope, p.y, row, v[r], v[r ^ 1], at);
         else p.y[row] = p.accumulate ? p.y[row] + v[r] : v[r];
       }
     }
