@@ -16,6 +16,9 @@
 // two rounds alternate in registers (the loop is unrolled by two: a register copy would wait on the loads
 // in flight), the first round is requested before pdl_wait, and the S partial sums of a row are added in
 // shared memory in a fixed order: results are deterministic.
+//
+// F16/BF16 rows have their own kernel (matvec1_half.cu). With rope_on (matmul_rope_kv) the epilogue of a
+// stacked QKV product applies RoPE and writes K/V to the cache itself (rope_kv.cuh).
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
