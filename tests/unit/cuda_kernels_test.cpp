@@ -441,67 +441,84 @@ TEST(CudaKernels, ArgmaxRowsMatchesHostFirstMaximum) {
   }
 }
 
-// One-token QKV products with RoPE and the K/V cache write in their epilogue (matmul_rope_kv) against
-// matmul() followed by rope_kv(): Q rows and both caches bit for bit, for every single-token format, with
-// GQA, a partial rotary dimension, a paged cache (f16 and f32), and k = 256 (a warp owns a tile) and 4096
-// (warps share a tile, partners meet after the shared-memory reduction).
+// QKV products with RoPE and the K/V cache write in their epilogue (matmul_rope_kv) against matmul()
+// followed by rope_kv(): Q rows and both caches bit for bit, for every quantized and half format, with GQA, a
+// partial rotary dimension, a paged cache (f16 and f32) shared by three sequences, for 1 token (the
+// single-token kernels: k = 256, a warp owns a tile, and 4096, warps share a tile and partners meet after the
+// shared-memory reduction) and 6 and 32 tokens (the batched kernels' reduction; the 144-head shape has enough
+// tiles for the 16- and 32-token CTAs, the small one runs 8-token CTAs).
 TEST(CudaKernels, FusedRopeKvMatchesSeparateKernel) {
   REQUIRE_GPU();
-  const int n_heads = 4, n_kv = 2, hd = 64, n_ctx = 64, block = 16, max_blocks = n_ctx / block;
-  const int64_t q_dim = n_heads * hd, kv_dim = n_kv * hd;
-  const int64_t k_off = cu::padded_rows(q_dim), v_off = k_off + cu::padded_rows(kv_dim);
-  const std::vector<int32_t> table = {2, 0, 3, 1}, pos = {37}, seq = {0};
+  const int n_ctx = 64, block = 16, max_blocks = n_ctx / block, n_seq = 3;
+  std::vector<int32_t> table(n_seq * max_blocks), pos(32), seq(32);
+  for (int i = 0; i < n_seq * max_blocks; ++i) table[i] = (i * 5) % (n_seq * max_blocks);  // shuffled blocks
+  for (int t = 0; t < 32; ++t) seq[t] = t % n_seq, pos[t] = (t / n_seq) * 5 + seq[t];  // distinct slots
   int32_t *d_table = test::upload(table), *d_pos = test::upload(pos), *d_seq = test::upload(seq);
-  for (int n_rot : {hd, 32}) {
-    const std::vector<float> cos_sin = gaussian((size_t)n_ctx * n_rot, 11);
-    DevFloats d_cs(cos_sin);
-    for (bool f16 : {true, false}) {
-      for (int64_t k : {256, 4096}) {
-        for (DType t : {DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::Q4_K, DType::TQ2_0}) {
-          SCOPED_TRACE(std::string(dtype_name(t)) + " k " + std::to_string(k) + " n_rot " + std::to_string(n_rot) +
-                       (f16 ? " f16" : " f32") + " cache");
-          const size_t rb = dtype_row_bytes(t, (uint64_t)k);
-          const auto wq = random_matrix(t, q_dim, k, 1), wk = random_matrix(t, kv_dim, k, 2),
-                     wv = random_matrix(t, kv_dim, k, 3);
-          const cu::MatrixPart parts[3] = {{t, wq.data(), q_dim, k, rb}, {t, wk.data(), kv_dim, k, rb},
-                                           {t, wv.data(), kv_dim, k, rb}};
-          cu::Matrix m = cu::upload_matrix(parts, 3, nullptr);
-          ASSERT_EQ(m.rows, v_off + cu::padded_rows(kv_dim));
-          cu::ActBuf a = cu::act_alloc(m.act(), k, 1);
-          DevFloats dx(gaussian((size_t)k, 5));
-          cu::PrepArgs p;
-          p.d_x = dx.p;
-          p.ld = k;
-          cu::prep_act(p, 1, a, nullptr);
-          const size_t cache = (size_t)max_blocks * block * kv_dim * (f16 ? 2 : 4);
-          auto zeros = [&] { return test::upload(std::vector<uint8_t>(cache, 0)); };
-          cu::KvArgs kv_ref{zeros(), zeros(), f16, block, max_blocks, d_table};
-          cu::KvArgs kv_fused{zeros(), zeros(), f16, block, max_blocks, d_table};
-          DevFloats y_ref(std::vector<float>((size_t)m.rows, 0.f)), y_fused(std::vector<float>((size_t)m.rows, 0.f));
-          cu::matmul(m, a, 1, y_ref.p, m.rows, m.rows, false, nullptr);
-          cu::rope_kv(y_ref.p, m.rows, k_off, v_off, 1, d_pos, d_seq, d_cs.p, n_heads, n_kv, hd, n_rot, kv_ref, nullptr);
-          cu::RopeKvArgs r;
-          r.d_pos = d_pos;
-          r.d_seq = d_seq;
-          r.d_cos_sin = d_cs.p;
-          r.q_dim = q_dim;
-          r.kv_dim = kv_dim;
-          r.k_off = k_off;
-          r.v_off = v_off;
-          r.hd = hd;
-          r.n_rot = n_rot;
-          r.kv = kv_fused;
-          ASSERT_TRUE(cu::matmul_rope_kv(m, a, y_fused.p, r, nullptr));
-          cu::sync_device();
-          const auto q_ref = download(y_ref.p, (size_t)q_dim), q_fused = download(y_fused.p, (size_t)q_dim);
-          EXPECT_EQ(q_ref, q_fused);
-          const auto* kr = static_cast<const uint8_t*>(kv_ref.d_k);
-          EXPECT_EQ(download(kr, cache), download(static_cast<const uint8_t*>(kv_fused.d_k), cache));
-          EXPECT_EQ(download(static_cast<const uint8_t*>(kv_ref.d_v), cache),
-                    download(static_cast<const uint8_t*>(kv_fused.d_v), cache));
-          for (void* b : {kv_ref.d_k, kv_ref.d_v, kv_fused.d_k, kv_fused.d_v}) cu::dev_free(b);
-          cu::act_free(a);
-          cu::free_matrix(m);
+  struct Shape { int n_heads, n_kv, n_tokens; std::vector<int64_t> ks; };
+  const Shape shapes[] = {{4, 2, 1, {256, 4096}}, {4, 2, 6, {256}}, {4, 2, 32, {256}}, {36, 36, 32, {256}},
+                          {36, 36, 12, {256}}};
+  const int hd = 64;
+  for (const Shape& sh : shapes) {
+    const int64_t q_dim = sh.n_heads * hd, kv_dim = sh.n_kv * hd;
+    const int64_t k_off = cu::padded_rows(q_dim), v_off = k_off + cu::padded_rows(kv_dim);
+    const int n = sh.n_tokens;
+    for (int n_rot : {hd, 32}) {
+      const std::vector<float> cos_sin = gaussian((size_t)n_ctx * n_rot, 11);
+      DevFloats d_cs(cos_sin);
+      for (bool f16 : {true, false}) {
+        for (int64_t k : sh.ks) {
+          for (DType t : {DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::Q4_K, DType::TQ2_0}) {
+            SCOPED_TRACE(std::string(dtype_name(t)) + " heads " + std::to_string(sh.n_heads) + " tokens " +
+                         std::to_string(n) + " k " + std::to_string(k) + " n_rot " + std::to_string(n_rot) +
+                         (f16 ? " f16" : " f32") + " cache");
+            const size_t rb = dtype_row_bytes(t, (uint64_t)k);
+            const auto wq = random_matrix(t, q_dim, k, 1), wk = random_matrix(t, kv_dim, k, 2),
+                       wv = random_matrix(t, kv_dim, k, 3);
+            const cu::MatrixPart parts[3] = {{t, wq.data(), q_dim, k, rb}, {t, wk.data(), kv_dim, k, rb},
+                                             {t, wv.data(), kv_dim, k, rb}};
+            cu::Matrix m = cu::upload_matrix(parts, 3, nullptr);
+            ASSERT_EQ(m.rows, v_off + cu::padded_rows(kv_dim));
+            cu::ActBuf a = cu::act_alloc(m.act(), k, n);
+            DevFloats dx(gaussian((size_t)n * k, 5));
+            cu::PrepArgs p;
+            p.d_x = dx.p;
+            p.ld = k;
+            cu::prep_act(p, n, a, nullptr);
+            const size_t cache = (size_t)n_seq * max_blocks * block * kv_dim * (f16 ? 2 : 4);
+            auto zeros = [&] { return test::upload(std::vector<uint8_t>(cache, 0)); };
+            cu::KvArgs kv_ref{zeros(), zeros(), f16, block, max_blocks, d_table};
+            cu::KvArgs kv_fused{zeros(), zeros(), f16, block, max_blocks, d_table};
+            const std::vector<float> zero_y((size_t)n * m.rows, 0.f);
+            DevFloats y_ref(zero_y), y_fused(zero_y);
+            cu::matmul(m, a, n, y_ref.p, m.rows, m.rows, false, nullptr);
+            cu::rope_kv(y_ref.p, m.rows, k_off, v_off, n, d_pos, d_seq, d_cs.p, sh.n_heads, sh.n_kv, hd, n_rot, kv_ref,
+                        nullptr);
+            cu::RopeKvArgs r;
+            r.d_pos = d_pos;
+            r.d_seq = d_seq;
+            r.d_cos_sin = d_cs.p;
+            r.q_dim = q_dim;
+            r.kv_dim = kv_dim;
+            r.k_off = k_off;
+            r.v_off = v_off;
+            r.hd = hd;
+            r.n_rot = n_rot;
+            r.kv = kv_fused;
+            ASSERT_TRUE(cu::matmul_rope_kv(m, a, n, y_fused.p, m.rows, r, nullptr));
+            cu::sync_device();
+            const auto y_r = download(y_ref.p, zero_y.size()), y_f = download(y_fused.p, zero_y.size());
+            int q_mismatch = 0;
+            for (int tok = 0; tok < n; ++tok)
+              for (int64_t i = 0; i < q_dim; ++i) q_mismatch += y_r[tok * m.rows + i] != y_f[tok * m.rows + i];
+            EXPECT_EQ(q_mismatch, 0);
+            const auto* kr = static_cast<const uint8_t*>(kv_ref.d_k);
+            EXPECT_EQ(download(kr, cache), download(static_cast<const uint8_t*>(kv_fused.d_k), cache));
+            EXPECT_EQ(download(static_cast<const uint8_t*>(kv_ref.d_v), cache),
+                      download(static_cast<const uint8_t*>(kv_fused.d_v), cache));
+            for (void* b : {kv_ref.d_k, kv_ref.d_v, kv_fused.d_k, kv_fused.d_v}) cu::dev_free(b);
+            cu::act_free(a);
+            cu::free_matrix(m);
+          }
         }
       }
     }

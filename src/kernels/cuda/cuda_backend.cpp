@@ -370,14 +370,14 @@ ActBuf* CudaBackend::attention_output_act(const Linear& wo, int n) {
   return &act(kind, wo.mats[0].k);
 }
 
-// QKV product, RoPE and the K/V cache write. A one-token step does the last two in the single-token
+// QKV product, RoPE and the K/V cache write. Steps that do not go through cuBLAS do the last two in the
 // product's epilogue (matmul_rope_kv: one kernel less per layer, same bits).
 void CudaBackend::run_qkv(const Layer& L, const cuda::PrepArgs& norm, int n, const int32_t* pos, const int32_t* seq,
                           const cuda::KvArgs& kv) {
   const int hd = (int)c_.head_dim();
   const int64_t q_dim = c_.n_heads * hd, kv_dim = c_.kv_dim(), qkv_ld = L.qkv.rows;
   const int64_t k_off = cuda::padded_rows(q_dim), v_off = k_off + cuda::padded_rows(kv_dim);
-  if (n == 1 && rope_fuse_ && L.qkv.mats.size() == 1 && !use_gemm(L.qkv, n)) {
+  if (rope_fuse_ && L.qkv.mats.size() == 1 && !use_gemm(L.qkv, n)) {
     prepare_inputs(norm, L.qkv, n, false);
     const Matrix& m = L.qkv.mats[0];
     cuda::RopeKvArgs r;
@@ -391,7 +391,7 @@ void CudaBackend::run_qkv(const Layer& L, const cuda::PrepArgs& norm, int n, con
     r.hd = hd;
     r.n_rot = (int)c_.rot_dims();
     r.kv = kv;
-    if (cuda::matmul_rope_kv(m, act(m.act(), m.k), qkv_, r, stream_)) return;
+    if (cuda::matmul_rope_kv(m, act(m.act(), m.k), n, qkv_, qkv_ld, r, stream_)) return;
     cuda::matmul(m, act(m.act(), m.k), n, qkv_, qkv_ld, qkv_ld, false, stream_);
   } else {
     run_linear(L.qkv, norm, n, qkv_, qkv_ld, qkv_ld, false);

@@ -74,6 +74,19 @@ __device__ __forceinline__ float2 q4k_scale_min(const uint4& h, int j) {
   return make_float2(d * (float)sc, dmin * (float)m);
 }
 
+// Each byte b of v (every byte below 128 - 8 + m, so no carry crosses a byte) minus m (m <= 8), as int8: an add
+// and an xor, where __vsub4 is a longer emulated sequence on sm_90. b + 128 - m flips to b - m by the xor.
+__device__ __forceinline__ uint32_t bytes_minus(uint32_t v, uint32_t m) {
+  return (v + (128u - m) * 0x01010101u) ^ 0x80808080u;
+}
+
+// Starting value of an integer sum (an mma.sync s32 accumulator, a dp4a chain) whose result d (|d| < 2^22)
+// is then read as a float, exactly, with one float add (biased_to_float): the bits of 1.5 * 2^23, so d
+// lands in the mantissa. It replaces I2F, whose throughput on sm_90 is an eighth of a float add's, in every
+// per-block epilogue, and costs no integer add since the sum starts from it.
+constexpr int kIntBias = 0x4B400000;
+__device__ __forceinline__ float biased_to_float(int biased) { return __int_as_float(biased) - 12582912.0f; }
+
 // The int8 operand of k-step j of a chunk, after the format's code-to-value mapping.
 template <int F>
 __device__ __forceinline__ void int8_operand(const uint4& w, int j, uint32_t (&a)[4]) {
@@ -82,7 +95,7 @@ __device__ __forceinline__ void int8_operand(const uint4& w, int j, uint32_t (&a
   } else if constexpr (F == kTQ2) {
     const uint32_t x = j == 0 ? w.x : j == 1 ? w.y : j == 2 ? w.z : w.w;
 #pragma unroll
-    for (int r = 0; r < 4; ++r) a[r] = __vsub4((x >> (2 * r)) & 0x03030303u, 0x01010101u);
+    for (int r = 0; r < 4; ++r) a[r] = bytes_minus((x >> (2 * r)) & 0x03030303u, 1);
   } else {
     const uint32_t w0 = j == 0 ? w.x : w.z, w1 = j == 0 ? w.y : w.w;
     a[0] = w0 & 0x0F0F0F0Fu;
@@ -91,7 +104,7 @@ __device__ __forceinline__ void int8_operand(const uint4& w, int j, uint32_t (&a
     a[3] = (w1 >> 4) & 0x0F0F0F0Fu;
     if constexpr (F == kQ4_0) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) a[r] = __vsub4(a[r], 0x08080808u);
+      for (int r = 0; r < 4; ++r) a[r] = bytes_minus(a[r], 8);
     } else if constexpr (F == kMXFP4) {
 #pragma unroll
       for (int r = 0; r < 4; ++r) a[r] = mxfp4_values(a[r]);

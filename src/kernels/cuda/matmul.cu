@@ -22,6 +22,7 @@
 #include "kernels/cuda/matvec1.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/raw_formats.cuh"
+#include "kernels/cuda/rope_kv.cuh"
 
 namespace merlin::cuda {
 namespace {
@@ -51,10 +52,13 @@ struct MmArgs {
   int fuse_prep;  // 1: the CTA computes its tokens' activations from prep (RMSNorm / SwiGLU / plain) itself
   PrepArgs prep;
   int split;  // warps sharing a tile's k (1, 2, 4 or 8): a CTA works on kWarps / split tiles at once
+  int rope_on;  // 1: y is the stacked QKV product, finished by rope_store (matmul_rope_kv)
+  RopeKvArgs rope;
 };
 
 // The activations a CTA reads: the global buffers, or the CTA's own tokens staged in shared memory (rows
-// from token tok0 on, same row lengths). Generic pointers serve both, so the product code is the same.
+// from token tok0 on). Generic pointers serve both, so the product code is the same. ldq: elements from one
+// token's codes (or halves) to the next; lds: from one token's block scales (and sums) to the next.
 struct XView {
   const int8_t* q;
   const float* s;
@@ -62,6 +66,7 @@ struct XView {
   const uint16_t* hi;
   const uint16_t* lo;
   int tok0;
+  int ldq, lds;
 };
 
 // ---------------------------------------------------------------------------------------------------------
@@ -155,33 +160,34 @@ __device__ __forceinline__ void step_scales(const Round<F>& r, int i, float2& ws
 template <int F, int NT>
 __device__ __forceinline__ void int8_step(const MmArgs& p, const XView& x, const uint32_t (&a)[4], float2 ws,
                                           float2 wm, int64_t step, int tb, int g, int t, float (&acc)[NT][4]) {
-  const int64_t kb = p.k / 32;
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     const int tok = tb + nt * 8 + g;
     uint32_t b0 = 0, b1 = 0;
     if (tok < p.n) {
-      const int8_t* xr = x.q + (int64_t)(tok - x.tok0) * p.k + step * 32 + 4 * t;
+      const int8_t* xr = x.q + (int64_t)(tok - x.tok0) * x.ldq + step * 32 + 4 * t;
       b0 = *reinterpret_cast<const uint32_t*>(xr);
       b1 = *reinterpret_cast<const uint32_t*>(xr + 16);
     }
-    int c[4] = {0, 0, 0, 0};
+    int c[4] = {0, 0, 0, 0};  // a zero accumulator is the zero register; block sums stay below 2^20
     mma_s8(c, a, b0, b1);
+    const float c0 = biased_to_float(c[0] + kIntBias), c1 = biased_to_float(c[1] + kIntBias),
+                c2 = biased_to_float(c[2] + kIntBias), c3 = biased_to_float(c[3] + kIntBias);
     const int t0 = tb + nt * 8 + 2 * t, t1 = t0 + 1;
-    const int64_t r0 = (int64_t)(t0 - x.tok0) * kb + step, r1 = r0 + kb;
+    const int64_t r0 = (int64_t)(t0 - x.tok0) * x.lds + step, r1 = r0 + x.lds;
     const float xs0 = t0 < p.n ? x.s[r0] : 0.f, xs1 = t1 < p.n ? x.s[r1] : 0.f;
     if constexpr (F == kQ4_K) {
       const float m0 = t0 < p.n ? (float)x.sum[r0] : 0.f;
       const float m1 = t1 < p.n ? (float)x.sum[r1] : 0.f;
-      acc[nt][0] += xs0 * (ws.x * (float)c[0] - wm.x * m0);
-      acc[nt][1] += xs1 * (ws.x * (float)c[1] - wm.x * m1);
-      acc[nt][2] += xs0 * (ws.y * (float)c[2] - wm.y * m0);
-      acc[nt][3] += xs1 * (ws.y * (float)c[3] - wm.y * m1);
+      acc[nt][0] += xs0 * (ws.x * c0 - wm.x * m0);
+      acc[nt][1] += xs1 * (ws.x * c1 - wm.x * m1);
+      acc[nt][2] += xs0 * (ws.y * c2 - wm.y * m0);
+      acc[nt][3] += xs1 * (ws.y * c3 - wm.y * m1);
     } else {
-      acc[nt][0] += (float)c[0] * (ws.x * xs0);
-      acc[nt][1] += (float)c[1] * (ws.x * xs1);
-      acc[nt][2] += (float)c[2] * (ws.y * xs0);
-      acc[nt][3] += (float)c[3] * (ws.y * xs1);
+      acc[nt][0] += c0 * (ws.x * xs0);
+      acc[nt][1] += c1 * (ws.x * xs1);
+      acc[nt][2] += c2 * (ws.y * xs0);
+      acc[nt][3] += c3 * (ws.y * xs1);
     }
   }
 }
@@ -198,11 +204,10 @@ __device__ __forceinline__ void half_step(const MmArgs& p, const XView& x, const
     const int tok = tb + nt * 8 + g;
     uint32_t h0 = 0, h1 = 0, l0 = 0, l1 = 0;
     if (tok < p.n && col < p.k) {
-      const int64_t o = (int64_t)(tok - x.tok0) * p.k + col;
-      h0 = *reinterpret_cast<const uint32_t*>(x.hi + o);
-      h1 = *reinterpret_cast<const uint32_t*>(x.hi + o + 2);
-      l0 = *reinterpret_cast<const uint32_t*>(x.lo + o);
-      l1 = *reinterpret_cast<const uint32_t*>(x.lo + o + 2);
+      const int64_t o = (int64_t)(tok - x.tok0) * x.ldq + col;
+      // col is a multiple of 4 and rows are 16-byte multiples apart: one 8-byte load per plane
+      const uint2 h = *reinterpret_cast<const uint2*>(x.hi + o), l = *reinterpret_cast<const uint2*>(x.lo + o);
+      h0 = h.x, h1 = h.y, l0 = l.x, l1 = l.y;
     }
     mma_half<F == kBF16>(acc[nt], a, l0, l1);
     mma_half<F == kBF16>(acc[nt], a, h0, h1);
@@ -238,10 +243,16 @@ __device__ __forceinline__ void compute_round(const MmArgs& p, const XView& x, c
   }
 }
 
+// Staged rows are padded (stage_x): a lane group g reads token g's row, so with rows a multiple of 128
+// bytes apart the 8 tokens of an mma hit the same 4 banks (an 8-way conflict on every B-operand load); 16
+// bytes more per row of codes or halves, and one more scale per row, spread them over all 32 banks.
+__host__ __device__ constexpr int staged_ldq(int f, int64_t k) { return (int)(half_fmt(f) ? k + 8 : k + 16); }
+__host__ __device__ constexpr int staged_lds(int64_t k) { return (int)(k / 32 + 1); }
+
 // Shared-memory bytes for `nt` tokens of staged activations: codes, block scales and (Q4_K) block sums,
-// or the hi and lo halves.
+// or the hi and lo halves (padded rows; the fused preparation's unpadded rows need less).
 __host__ __device__ constexpr size_t staged_bytes(int f, int64_t k, int nt) {
-  return half_fmt(f) ? (size_t)nt * k * 4 : (size_t)nt * (k + k / 32 * 8);
+  return half_fmt(f) ? (size_t)nt * staged_ldq(f, k) * 4 : (size_t)nt * (staged_ldq(f, k) + staged_lds(k) * 8);
 }
 
 // The ActKind (as int) a weight format reads its input in.
@@ -250,33 +261,34 @@ __host__ __device__ constexpr int act_kind_of(int f) {
        : f == kQ4_K || f == kTQ2 ? (int)ActKind::Q8_K : (int)ActKind::Q8_0;
 }
 
-// Shared-memory views of the staged activations, laid out as an ActBuf of nt rows (what emit() writes).
+// Shared-memory views of the staged activations, laid out as an ActBuf of nt rows (what emit() writes, rows
+// of k) or, padded, with rows ldq and lds apart.
 template <int F>
-__device__ ActBuf staged_buf(int64_t k, int nt, uint8_t* sm) {
+__device__ ActBuf staged_buf(int64_t k, int nt, uint8_t* sm, int ldq, int lds) {
   ActBuf o;
   o.kind = (ActKind)act_kind_of(F);
   o.k = k;
   o.n_cap = nt;
   if constexpr (half_fmt(F)) {
     o.hi = reinterpret_cast<uint16_t*>(sm);
-    o.lo = o.hi + nt * k;
+    o.lo = o.hi + nt * ldq;
   } else {
     o.q = reinterpret_cast<int8_t*>(sm);
-    o.scale = reinterpret_cast<float*>(sm + nt * k);
-    o.sum = reinterpret_cast<int32_t*>(o.scale + nt * (k / 32));
+    o.scale = reinterpret_cast<float*>(sm + nt * ldq);
+    o.sum = reinterpret_cast<int32_t*>(o.scale + nt * lds);
   }
   return o;
 }
 
-__device__ __forceinline__ XView view_of(const ActBuf& o, int tok0) {
-  return XView{o.q, o.scale, o.sum, o.hi, o.lo, tok0};
+__device__ __forceinline__ XView view_of(const ActBuf& o, int tok0, int ldq, int lds) {
+  return XView{o.q, o.scale, o.sum, o.hi, o.lo, tok0, ldq, lds};
 }
 
 // Fused preparation: the CTA computes RMSNorm / SwiGLU / plain of its tokens and quantizes them into shared
 // memory with the same functions (and CTA size) as prep_kernel, so the codes equal the unfused path's.
 template <int F>
 __device__ XView stage_prep(const MmArgs& p, int tb, int nt, uint8_t* sm) {
-  ActBuf o = staged_buf<F>(p.k, nt, sm);
+  ActBuf o = staged_buf<F>(p.k, nt, sm, (int)p.k, (int)(p.k / 32));
   constexpr int kind = act_kind_of(F);
   switch (p.prep.mode) {
     case Prep::Plain: prep_rows<kind, (int)Prep::Plain>(p.prep, tb, nt, o); break;
@@ -284,7 +296,12 @@ __device__ XView stage_prep(const MmArgs& p, int tb, int nt, uint8_t* sm) {
     case Prep::SwiGlu: prep_rows<kind, (int)Prep::SwiGlu>(p.prep, tb, nt, o); break;
   }
   __syncthreads();
-  return view_of(o, tb);
+  return view_of(o, tb, (int)p.k, (int)(p.k / 32));
+}
+
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src)
+               : "memory");
 }
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
@@ -292,44 +309,40 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
                : "memory");
 }
 
-// n floats (or int32) to shared memory: 16-byte asynchronous copies, the last n % 4 by plain loads.
-__device__ __forceinline__ void stage_words(uint32_t* dst, const uint32_t* src, int64_t n) {
-  for (int64_t i = threadIdx.x; i < n / 4; i += blockDim.x) cp_async16(dst + 4 * i, src + 4 * i);
-  for (int64_t i = n / 4 * 4 + threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
-}
-
-// Copies the CTA's tokens [tb, tb + nt) of the activation buffers to shared memory. Every copy is issued
-// before the CTA waits for any (cp.async), so staging costs one L2 round trip, not one per loop iteration:
-// 32 tokens of k = 768 are 28 KiB, 7 rounds of 16 bytes per thread. Codes and halves are 16-byte aligned
-// (k is a multiple of 32, resp. 16, and the buffers are 256-byte aligned); so are the scales of 8-token
-// groups when k / 32 is even.
+// Copies the CTA's tokens [tb, tb + nt) of the activation buffers to shared memory, into rows padded as
+// staged_ldq / staged_lds say. Every copy is issued before the CTA waits for any (cp.async), so staging
+// costs one L2 round trip, not one per loop iteration: 32 tokens of k = 768 are 28 KiB, 7 rounds of 16
+// bytes per thread. Codes and halves move 16 bytes at a time (k is a multiple of 32, resp. 16, and the
+// buffers are 256-byte aligned), scales and sums 4 bytes at a time (padded rows are not 16-byte aligned).
 template <int F>
 __device__ XView stage_x(const MmArgs& p, int tb, int nt, uint8_t* sm) {
-  ActBuf o = staged_buf<F>(p.k, nt, sm);
-  const int64_t k = p.k, kb = k / 32;
+  const int k = (int)p.k, kb = k / 32, ldq = staged_ldq(F, k), lds = staged_lds(k);
+  ActBuf o = staged_buf<F>(k, nt, sm, ldq, lds);
   if constexpr (half_fmt(F)) {
-    const uint16_t* shi = p.xhi + tb * k;
-    const uint16_t* slo = p.xlo + tb * k;
-    for (int64_t i = threadIdx.x; i < nt * k / 8; i += blockDim.x) {
-      cp_async16(o.hi + 8 * i, shi + 8 * i);
-      cp_async16(o.lo + 8 * i, slo + 8 * i);
+    const uint16_t* shi = p.xhi + (int64_t)tb * k;
+    const uint16_t* slo = p.xlo + (int64_t)tb * k;
+    const int per_row = k / 8;
+    for (int i = threadIdx.x; i < nt * per_row; i += blockDim.x) {
+      const int row = i / per_row, c = i - row * per_row;
+      cp_async16(o.hi + row * ldq + 8 * c, shi + 8 * i);
+      cp_async16(o.lo + row * ldq + 8 * c, slo + 8 * i);
     }
   } else {
-    const int8_t* sq = p.xq + tb * k;
-    for (int64_t i = threadIdx.x; i < nt * k / 16; i += blockDim.x) cp_async16(o.q + 16 * i, sq + 16 * i);
-    const bool aligned = (tb * kb) % 4 == 0;
-    for (int64_t i = threadIdx.x; !aligned && i < nt * kb; i += blockDim.x) o.scale[i] = p.xs[tb * kb + i];
-    if (aligned)
-      stage_words(reinterpret_cast<uint32_t*>(o.scale), reinterpret_cast<const uint32_t*>(p.xs + tb * kb), nt * kb);
-    if constexpr (F == kQ4_K) {
-      for (int64_t i = threadIdx.x; !aligned && i < nt * kb; i += blockDim.x) o.sum[i] = p.xsum[tb * kb + i];
-      if (aligned)
-        stage_words(reinterpret_cast<uint32_t*>(o.sum), reinterpret_cast<const uint32_t*>(p.xsum + tb * kb), nt * kb);
+    const int8_t* sq = p.xq + (int64_t)tb * k;
+    const int per_row = k / 16;
+    for (int i = threadIdx.x; i < nt * per_row; i += blockDim.x) {
+      const int row = i / per_row, c = i - row * per_row;
+      cp_async16(o.q + row * ldq + 16 * c, sq + 16 * i);
+    }
+    for (int i = threadIdx.x; i < nt * kb; i += blockDim.x) {
+      const int row = i / kb, c = i - row * kb;
+      cp_async4(o.scale + row * lds + c, p.xs + (int64_t)tb * kb + i);
+      if constexpr (F == kQ4_K) cp_async4(o.sum + row * lds + c, p.xsum + (int64_t)tb * kb + i);
     }
   }
   asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
-  return view_of(o, tb);
+  return view_of(o, tb, ldq, lds);
 }
 
 // Sums each group's partial tiles (split warps each) in a fixed order (deterministic) and writes (or adds)
@@ -350,7 +363,12 @@ __device__ __forceinline__ void reduce_tiles(const MmArgs& p, int64_t tile0, int
     const int gg = ln >> 2, tt = ln & 3, nt = i / 4, ci = i % 4;
     const int64_t r = (tile0 + grp) * 16 + gg + 8 * (ci >> 1);
     const int tok = tb + nt * 8 + 2 * tt + (ci & 1);
-    if (r < p.n_out && tok < p.n) {
+    if (r >= p.n_out || tok >= p.n) continue;
+    if (p.rope_on) {  // the RoPE partner r ^ 1 is the same element of lane ln ^ 4, summed in the same order
+      float w = 0.f;
+      for (int s = grp * p.split; s < (grp + 1) * p.split; ++s) w += red[s][i][ln ^ 4];
+      rope_store(p.rope, p.y + (int64_t)tok * p.ldy, r, v, w, rope_target(p.rope, tok));
+    } else {
       float* dst = p.y + (int64_t)tok * p.ldy + r;
       *dst = p.accumulate ? *dst + v : v;
     }
@@ -428,7 +446,7 @@ __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
   if (it.n > 0 && c.tile(it) < p.tiles) load_round<F>(p, c.tile(it), c.chunk(it), lane, ra);
   pdl_trigger();
   pdl_wait();
-  XView x{p.xq, p.xs, p.xsum, p.xhi, p.xlo, 0};
+  XView x{p.xq, p.xs, p.xsum, p.xhi, p.xlo, 0, (int)p.k, (int)(p.k / 32)};
   if (p.fuse_prep) x = stage_prep<F>(p, tb, min(8 * NT, p.n - tb), smem);
   else if (p.stage_x) x = stage_x<F>(p, tb, min(8 * NT, p.n - tb), smem);
   float acc[NT][4];
@@ -586,7 +604,8 @@ MmArgs product_args(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t
                     bool accumulate) {
   const Geometry geo = geometry(w.fmt, w.rows, w.k);
   return MmArgs{w.q, w.s, w.k, geo.n_steps, geo.n_chunks, geo.n_super, x.q, x.scale, x.sum, x.hi, x.lo, x.f,
-                n, d_y, ldy, std::min(n_out_rows, w.rows), w.rows, accumulate ? 1 : 0, geo.tiles, 0, 0, PrepArgs{}, 8};
+                n, d_y, ldy, std::min(n_out_rows, w.rows), w.rows, accumulate ? 1 : 0, geo.tiles, 0, 0, PrepArgs{}, 8,
+                0, RopeKvArgs{}};
 }
 
 void launch_product(int fmt, const MmArgs& p, Stream stream) {
@@ -625,6 +644,22 @@ void matmul(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, in
   MERLIN_CHECK(x.kind == w.act() && x.k == w.k && n <= x.n_cap, "matmul: activation buffer does not fit the matrix");
   if (n == 1 && matvec1(w, x, d_y, n_out_rows, accumulate, stream)) return;
   launch_product(w.fmt, product_args(w, x, n, d_y, ldy, n_out_rows, accumulate), stream);
+}
+
+bool matmul_rope_kv(const Matrix& w, const ActBuf& x, int n, float* d_qkv, int64_t ldy, const RopeKvArgs& r,
+                    Stream stream) {
+  MERLIN_CHECK(x.kind == w.act() && x.k == w.k && n >= 1 && n <= x.n_cap,
+               "matmul_rope_kv: activation buffer does not fit");
+  MERLIN_CHECK(r.hd % 2 == 0 && r.n_rot <= r.hd && r.q_dim <= r.k_off && r.k_off + r.kv_dim <= r.v_off &&
+                   r.v_off + r.kv_dim <= w.rows && ldy >= w.rows,
+               "matmul_rope_kv: Q/K/V rows do not fit the matrix");
+  if (w.fmt == kF32) return false;
+  if (n == 1 && matvec1_rope_kv(w, x, d_qkv, r, stream)) return true;
+  MmArgs p = product_args(w, x, n, d_qkv, ldy, w.rows, false);
+  p.rope_on = 1;
+  p.rope = r;
+  launch_product(w.fmt, p, stream);
+  return true;
 }
 
 void matmul_prep(const Matrix& w, const PrepArgs& prep, ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out_rows,

@@ -129,11 +129,6 @@ __device__ __forceinline__ float2 half2_bits(uint32_t b) {
 
 __device__ __forceinline__ int dp4a(uint32_t a, uint32_t b, int c) { return __dp4a((int)a, (int)b, c); }
 
-// (float)d for |d| < 2^22, exactly, with an integer add and a float add instead of I2F, whose throughput is
-// a fraction of theirs (a conversion per row and k-step would make it the busiest unit): d added to the bits
-// of 1.5 * 2^23 lands in that float's mantissa. Per-step (TQ2_0: per super-block) sums stay below 2^18.
-__device__ __forceinline__ float small_int_to_float(int d) { return __int_as_float(0x4B400000 + d) - 12582912.0f; }
-
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t r;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
@@ -172,12 +167,12 @@ __device__ __forceinline__ void compute_round(const Mv1Args& p, const Round<F>& 
       const int step = c0 + u;
       if (step >= nc) break;
       const uint2 x = x_at(xq, step, t);
-      const int d0 = dp4a(r.w[u].x, x.x, dp4a(r.w[u].z, x.y, 0));
-      const int d1 = dp4a(r.w[u].y, x.x, dp4a(r.w[u].w, x.y, 0));
+      const int d0 = dp4a(r.w[u].x, x.x, dp4a(r.w[u].z, x.y, kIntBias));
+      const int d1 = dp4a(r.w[u].y, x.x, dp4a(r.w[u].w, x.y, kIntBias));
       const float2 ws = half2_bits(r.s[u]);
       const float sx = xs[step];
-      acc0 = fmaf(small_int_to_float(d0), ws.x * sx, acc0);
-      acc1 = fmaf(small_int_to_float(d1), ws.y * sx, acc1);
+      acc0 = fmaf(biased_to_float(d0), ws.x * sx, acc0);
+      acc1 = fmaf(biased_to_float(d1), ws.y * sx, acc1);
     }
   } else if constexpr (F == kQ4_0 || F == kMXFP4) {
 #pragma unroll
@@ -193,19 +188,19 @@ __device__ __forceinline__ void compute_round(const Mv1Args& p, const Round<F>& 
           // Codes are value + 8: dot(code, x) - 8 * sum(x); the correction -8 * sum(x) of the lane's 8 bytes
           // and the block scale come staged with them (stage_x), one 16-byte shared load per step.
           const uint4 xv = reinterpret_cast<const uint4*>(xq)[step * 4 + t];
-          const int corr = (int)xv.z;
+          const int corr = (int)xv.z;  // includes kIntBias
           const float sx = __int_as_float((int)xv.w);
           const int d0 = dp4a(w0 & kLo, xv.x, dp4a((w0 >> 4) & kLo, xv.y, corr));
           const int d1 = dp4a(w1 & kLo, xv.x, dp4a((w1 >> 4) & kLo, xv.y, corr));
           const float2 ws = half2_bits(sw);
-          acc0 = fmaf(small_int_to_float(d0), ws.x * sx, acc0);
-          acc1 = fmaf(small_int_to_float(d1), ws.y * sx, acc1);
+          acc0 = fmaf(biased_to_float(d0), ws.x * sx, acc0);
+          acc1 = fmaf(biased_to_float(d1), ws.y * sx, acc1);
         } else {
           const uint2 x = x_at(xq, step, t);
           const float sx = xs[step];
-          const int d0 = mxfp4_dot(w0, x.x, x.y, 0), d1 = mxfp4_dot(w1, x.x, x.y, 0);
-          acc0 = fmaf(small_int_to_float(d0), e8m0_half((uint8_t)(sw & 0xFF)) * sx, acc0);
-          acc1 = fmaf(small_int_to_float(d1), e8m0_half((uint8_t)((sw >> 8) & 0xFF)) * sx, acc1);
+          const int d0 = mxfp4_dot(w0, x.x, x.y, kIntBias), d1 = mxfp4_dot(w1, x.x, x.y, kIntBias);
+          acc0 = fmaf(biased_to_float(d0), e8m0_half((uint8_t)(sw & 0xFF)) * sx, acc0);
+          acc1 = fmaf(biased_to_float(d1), e8m0_half((uint8_t)((sw >> 8) & 0xFF)) * sx, acc1);
         }
       }
     }
@@ -251,7 +246,7 @@ __device__ __forceinline__ void compute_round(const Mv1Args& p, const Round<F>& 
     for (int half = 0; half < 2; ++half) {
       const int cb = c0 + 2 * half;
       if (cb >= nc) break;  // n_chunks is even: super-blocks are whole
-      int s0 = 0, s1 = 0, corr = 0;
+      int s0 = 0, s1 = 0, corr = kIntBias;  // super-block sums stay below 2^18
 #pragma unroll
       for (int u = 2 * half; u < 2 * half + 2; ++u) {
 #pragma unroll
@@ -268,8 +263,8 @@ __device__ __forceinline__ void compute_round(const Mv1Args& p, const Round<F>& 
       }
       const float sx = xs[cb * 4];
       const float2 ws = half2_bits(r.s[half]);
-      acc0 = fmaf(small_int_to_float(s0 + corr), ws.x * sx, acc0);
-      acc1 = fmaf(small_int_to_float(s1 + corr), ws.y * sx, acc1);
+      acc0 = fmaf(biased_to_float(s0 + corr), ws.x * sx, acc0);
+      acc1 = fmaf(biased_to_float(s1 + corr), ws.y * sx, acc1);
     }
   }
 }
@@ -291,7 +286,8 @@ __device__ __forceinline__ void stage_x(const Mv1Args& p, uint8_t* sm) {
       const uint32_t lo[4] = {a.x, a.y, a.z, a.w}, hi[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
       for (int t = 0; t < 4; ++t)
-        dst[4 * s + t] = make_uint4(lo[t], hi[t], (uint32_t)dp4a(0xF8F8F8F8u, lo[t], dp4a(0xF8F8F8F8u, hi[t], 0)), sx);
+        dst[4 * s + t] =
+            make_uint4(lo[t], hi[t], (uint32_t)dp4a(0xF8F8F8F8u, lo[t], dp4a(0xF8F8F8F8u, hi[t], kIntBias)), sx);
       continue;
     }
     if constexpr (F == kMXFP4) {
@@ -533,11 +529,7 @@ bool matvec1(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out_rows, b
   return dispatch(w, x, d_y, n_out_rows, accumulate, stream, nullptr);
 }
 
-bool matmul_rope_kv(const Matrix& w, const ActBuf& x, float* d_qkv, const RopeKvArgs& r, Stream stream) {
-  MERLIN_CHECK(x.kind == w.act() && x.k == w.k && x.n_cap >= 1, "matmul_rope_kv: activation buffer does not fit");
-  MERLIN_CHECK(r.hd % 2 == 0 && r.n_rot <= r.hd && r.q_dim <= r.k_off && r.k_off + r.kv_dim <= r.v_off &&
-                   r.v_off + r.kv_dim <= w.rows,
-               "matmul_rope_kv: Q/K/V rows do not fit the matrix");
+bool matvec1_rope_kv(const Matrix& w, const ActBuf& x, float* d_qkv, const RopeKvArgs& r, Stream stream) {
   return dispatch(w, x, d_qkv, w.rows, false, stream, &r);
 }
 

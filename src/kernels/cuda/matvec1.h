@@ -12,6 +12,9 @@ namespace merlin::cuda {
 // y[r] (= or +=) sum_i W[r][i] x[0][i] for r < n_out_rows; same contract as matmul() with n == 1.
 bool matvec1(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out_rows, bool accumulate, Stream stream);
 
+// matmul_rope_kv (ops.h) for one token; false where the single-token kernels do not apply.
+bool matvec1_rope_kv(const Matrix& w, const ActBuf& x, float* d_qkv, const RopeKvArgs& r, Stream stream);
+
 // F16/BF16 rows (matvec1_half.cu); false when the row is too long for its staged activations.
 bool matvec1_half(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool accumulate, Stream stream,
                   const RopeKvArgs* rope = nullptr);

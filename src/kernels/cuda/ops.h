@@ -143,7 +143,7 @@ struct KvArgs {
   int max_blocks = 0;              // table row length per sequence
   const int32_t* d_table = nullptr;  // [n_seq][max_blocks]
 };
-// The rope_kv step done by a single-token QKV product's epilogue (matmul_rope_kv): q_dim = n_heads * hd rows
+// The rope_kv step done by a QKV product's epilogue (matmul_rope_kv): q_dim = n_heads * hd rows
 // of Q from row 0, kv_dim rows of K from k_off and of V from v_off in the stacked matrix.
 struct RopeKvArgs {
   const int32_t* d_pos = nullptr;
@@ -153,10 +153,12 @@ struct RopeKvArgs {
   int hd = 0, n_rot = 0;
   KvArgs kv;
 };
-// y = W x for one token (W the stacked QKV matrix), then RoPE on Q and K and the K/V cache write, all in the
-// product's epilogue, with the bits matmul() followed by rope_kv() would give: Q rows land in d_qkv (rotated),
-// K and V rows only in the cache. False (nothing queued) where the single-token kernels do not apply.
-bool matmul_rope_kv(const Matrix& w, const ActBuf& x, float* d_qkv, const RopeKvArgs& r, Stream stream);
+// y = W x for n tokens (W the stacked QKV matrix, token t's row at d_qkv + t * ldy), then RoPE on Q and K and
+// the K/V cache write, all in the product's epilogue, with the bits matmul() followed by rope_kv() would
+// give: Q rows land in d_qkv (rotated), K and V rows only in the cache. False (nothing queued) for F32
+// weights (the plain kernel has no such epilogue); the caller then runs the two separately.
+bool matmul_rope_kv(const Matrix& w, const ActBuf& x, int n, float* d_qkv, int64_t ldy, const RopeKvArgs& r,
+                    Stream stream);
 
 // Applies RoPE to q and k of each row of qkv (q at column 0, k at k_off, v at v_off, ld apart) with the
 // host-built cos/sin table ([n_ctx][n_rot/2] pairs), and writes k and v to the cache at (seq[t], pos[t]).

@@ -1,5 +1,5 @@
-// RoPE and the K/V cache write, shared by rope_kv_kernel (attention.cu) and the single-token products that
-// apply them in their epilogue (matvec1.cu, matvec1_half.cu): the same operations in the same order, so the
+// RoPE and the K/V cache write, shared by rope_kv_kernel (attention.cu) and the products that apply them in
+// their epilogue (matvec1.cu, matvec1_half.cu, matmul.cu): the same operations in the same order, so the
 // fused path writes the bits the separate kernel would.
 #pragma once
 #include "kernels/cuda/common.cuh"
@@ -21,19 +21,19 @@ __device__ __forceinline__ float2 rotate(float x0, float x1, float c, float s) {
   return make_float2(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)), __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
 }
 
-// Where a one-token epilogue writes: the token's cache slot and cos/sin row, looked up once per CTA.
-// Positions, sequences and block tables are written before a step's first kernel starts, never by a kernel,
-// so the lookup may run before pdl_wait.
+// Where an epilogue writes token t's rows: its cache slot and cos/sin row (a one-token product looks them up
+// once per CTA). Positions, sequences and block tables are written before a step's first kernel starts,
+// never by a kernel, so the lookup may run before pdl_wait.
 struct RopeTarget {
   int64_t slot = 0;
   const float* cs = nullptr;
 };
-__device__ __forceinline__ RopeTarget rope_target(const RopeKvArgs& a) {
-  const int pos = a.d_pos[0];
-  return RopeTarget{kv_slot(a.kv, a.d_seq[0], pos), a.d_cos_sin + (int64_t)pos * a.n_rot};
+__device__ __forceinline__ RopeTarget rope_target(const RopeKvArgs& a, int t = 0) {
+  const int pos = a.d_pos[t];
+  return RopeTarget{kv_slot(a.kv, a.d_seq[t], pos), a.d_cos_sin + (int64_t)pos * a.n_rot};
 }
 
-// Where a single-token QKV product's epilogue sends row r (value v, its RoPE partner r ^ 1 has w): Q rows,
+// Where a QKV product's epilogue sends row r of a token (value v, its RoPE partner r ^ 1 has w): Q rows,
 // rotated, to the qkv buffer; K rows, rotated, and V rows to the cache slot of (seq, pos).
 __device__ __forceinline__ void rope_store(const RopeKvArgs& a, float* y, int64_t r, float v, float w,
                                            const RopeTarget& at) {
