@@ -269,6 +269,11 @@ TEST(CudaAttention, EmitsTheProductInputOfAPlainPreparation) {
           EXPECT_EQ(download(got.q, elems), download(want.q, elems));
           EXPECT_EQ(download(got.scale, elems / 32), download(want.scale, elems / 32));
           EXPECT_EQ(download(got.sum, elems / 32), download(want.sum, elems / 32));
+          // the batched products' fragment-ordered copy, whole groups of 8 tokens
+          const size_t felems = (size_t)(a.n + 7) / 8 * 8 * a.ld;
+          EXPECT_EQ(download(got.fq, felems), download(want.fq, felems));
+          EXPECT_EQ(download(got.fs, felems / 32), download(want.fs, felems / 32));
+          EXPECT_EQ(download(got.fsum, felems / 32), download(want.fsum, felems / 32));
         } else {
           EXPECT_EQ(download(got.hi, elems), download(want.hi, elems));
           EXPECT_EQ(download(got.lo, elems), download(want.lo, elems));

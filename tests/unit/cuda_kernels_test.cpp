@@ -105,6 +105,25 @@ TEST(CudaKernels, ActivationQuantizersMatchCpuBits) {
       }
     }
     EXPECT_EQ(mismatches, 0);
+    // The fragment-ordered copy the batched products read: per group of 8 rows and block of 32, lane
+    // L = 4 g + c finds row g's elements 4c..4c+3 and 16+4c..16+4c+3 at bytes 8 L .. 8 L + 7; the group's
+    // 8 scales (sums) of a block are consecutive.
+    const size_t padded = (size_t)(n + 7) / 8 * 8;
+    const auto fq = download(a.fq, padded * k);
+    const auto fs = download(a.fs, padded * k / 32);
+    const auto fsum = download(a.fsum, padded * k / 32);
+    int frag_mismatches = 0;
+    for (int r = 0; r < n; ++r)
+      for (int64_t i = 0; i < k; ++i) {
+        const int64_t blk = ((int64_t)(r / 8) * (k / 32) + i / 32), j = i % 32;
+        const int64_t lane = (r % 8) * 4 + (j % 16) / 4;
+        frag_mismatches += fq[(blk * 32 + lane) * 8 + (j / 16) * 4 + j % 4] != q[r * k + i];
+        if (j == 0) {
+          frag_mismatches += fs[blk * 8 + r % 8] != sc[r * k / 32 + i / 32];
+          frag_mismatches += fsum[blk * 8 + r % 8] != sum[r * k / 32 + i / 32];
+        }
+      }
+    EXPECT_EQ(frag_mismatches, 0);
     cu::act_free(a);
   }
 }

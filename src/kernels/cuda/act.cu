@@ -65,12 +65,17 @@ ActBuf act_alloc(ActKind kind, int64_t k, int n_cap) {
       a.lo = static_cast<uint16_t*>(dev_alloc(n * 2));
       break;
     case ActKind::Q8_0:
-    case ActKind::Q8_K:
+    case ActKind::Q8_K: {
       MERLIN_CHECK(k % (kind == ActKind::Q8_K ? 256 : 32) == 0, "quantized activations of ", k, " elements");
       a.q = static_cast<int8_t*>(dev_alloc(n));
       a.scale = static_cast<float*>(dev_alloc(n / 32 * 4));
       a.sum = static_cast<int32_t*>(dev_alloc(n / 32 * 4));
+      const size_t nf = (size_t)(n_cap + 7) / 8 * 8 * k;
+      a.fq = static_cast<int8_t*>(dev_alloc(nf));
+      a.fs = static_cast<float*>(dev_alloc(nf / 32 * 4));
+      a.fsum = static_cast<int32_t*>(dev_alloc(nf / 32 * 4));
       break;
+    }
   }
   return a;
 }
@@ -82,6 +87,9 @@ void act_free(ActBuf& a) {
   dev_free(a.sum);
   dev_free(a.hi);
   dev_free(a.lo);
+  dev_free(a.fq);
+  dev_free(a.fs);
+  dev_free(a.fsum);
   a = ActBuf{};
 }
 

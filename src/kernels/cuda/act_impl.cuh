@@ -21,6 +21,36 @@ __device__ inline double block_sum_double(double v, double* sh) {
   return s;
 }
 
+// Where element i (block i / 32) of row t lies in the fragment-ordered planes (ActBuf::fq, fs, fsum): per
+// group of 8 rows and block of 32, 256 bytes in which lane L = 4 g + c of an m16n8k32 B operand finds its 8
+// bytes at 8 L (row g of the group: elements 4c..4c+3, then 16+4c..16+4c+3), followed by nothing else; the
+// group's 8 scales (and sums) of a block are 8 consecutive words.
+__host__ __device__ __forceinline__ int64_t frag_code_index(int t, int64_t i, int64_t k) {
+  const int j = (int)(i & 31);
+  const int lane = (t & 7) * 4 + ((j & 15) >> 2);
+  return (((int64_t)(t >> 3) * (k >> 5) + (i >> 5)) * 32 + lane) * 8 + (j >> 4) * 4 + (j & 3);
+}
+__host__ __device__ __forceinline__ int64_t frag_scale_index(int t, int64_t block, int64_t k) {
+  return ((int64_t)(t >> 3) * (k >> 5) + block) * 8 + (t & 7);
+}
+
+// Codes, scale and sum of a Q8 element / block in both layouts (the row planes are null in buffers staged
+// for the batched products, the fragment planes null where only single-token products read).
+__device__ __forceinline__ void put_code(ActBuf& o, int t, int64_t i, int q) {
+  if (o.q) o.q[t * o.k + i] = (int8_t)q;
+  if (o.fq) o.fq[frag_code_index(t, i, o.k)] = (int8_t)q;
+}
+__device__ __forceinline__ void put_block(ActBuf& o, int t, int64_t block, float d, int s) {
+  if (o.scale) {
+    o.scale[t * (o.k / 32) + block] = d;
+    o.sum[t * (o.k / 32) + block] = s;
+  }
+  if (o.fs) {
+    o.fs[frag_scale_index(t, block, o.k)] = d;
+    o.fsum[frag_scale_index(t, block, o.k)] = s;
+  }
+}
+
 // Writes element i (valid: i < k) of row t in the buffer's format. All threads of the CTA call it together.
 template <int Kind>
 __device__ void emit(float v, bool valid, int t, int64_t i, ActBuf& o) {
@@ -44,12 +74,9 @@ __device__ void emit(float v, bool valid, int t, int64_t i, ActBuf& o) {
       const float amax = warp_max(fabsf(v));
       const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
       const int q = __float2int_rn(v * id);
-      o.q[t * k + i] = (int8_t)q;
+      put_code(o, t, i, q);
       const int s = warp_sum_int(q);
-      if ((threadIdx.x & 31) == 0) {
-        o.scale[t * (k / 32) + i / 32] = round_to_half(amax / 127.0f);
-        o.sum[t * (k / 32) + i / 32] = s;
-      }
+      if ((threadIdx.x & 31) == 0) put_block(o, t, i / 32, round_to_half(amax / 127.0f), s);
     }
   } else {  // Q8_K: the CTA's 256 elements are one super-block (k % 256 == 0)
     __shared__ float s_abs[kPrepThreads / 32], s_val[kPrepThreads / 32];
@@ -76,12 +103,9 @@ __device__ void emit(float v, bool valid, int t, int64_t i, ActBuf& o) {
       q = min(__float2int_rn(iscale * v), 127);
       d = 1.0f / iscale;
     }
-    if (valid) o.q[t * k + i] = (int8_t)q;
+    if (valid) put_code(o, t, i, q);
     const int s = warp_sum_int(q);
-    if (valid && (threadIdx.x & 31) == 0) {
-      o.scale[t * (k / 32) + i / 32] = d;
-      o.sum[t * (k / 32) + i / 32] = s;
-    }
+    if (valid && (threadIdx.x & 31) == 0) put_block(o, t, i / 32, d, s);
   }
 }
 

@@ -37,9 +37,9 @@ struct MmArgs {
   const uint8_t* q;
   const uint8_t* s;
   int64_t k, n_steps, n_chunks, n_super;
-  const int8_t* xq;
-  const float* xs;
-  const int32_t* xsum;
+  const int8_t* xfq;  // quantized activations in fragment order (ActBuf::fq, fs, fsum)
+  const float* xfs;
+  const int32_t* xfsum;
   const uint16_t* xhi;
   const uint16_t* xlo;
   const float* xf;
@@ -56,17 +56,17 @@ struct MmArgs {
   RopeKvArgs rope;
 };
 
-// The activations a CTA reads: the global buffers, or the CTA's own tokens staged in shared memory (rows
-// from token tok0 on). Generic pointers serve both, so the product code is the same. ldq: elements from one
-// token's codes (or halves) to the next; lds: from one token's block scales (and sums) to the next.
+// The activations a CTA reads: the global buffers, or the CTA's own tokens staged in shared memory (from
+// token tok0 on, a multiple of 8). Generic pointers serve both, so the product code is the same. Quantized
+// formats read the fragment planes (groups of 8 tokens), half formats rows of halves ldq apart.
 struct XView {
-  const int8_t* q;
-  const float* s;
-  const int32_t* sum;
+  const int8_t* fq;
+  const float* fs;
+  const int32_t* fsum;
   const uint16_t* hi;
   const uint16_t* lo;
   int tok0;
-  int ldq, lds;
+  int ldq;
 };
 
 // ---------------------------------------------------------------------------------------------------------
@@ -162,23 +162,21 @@ __device__ __forceinline__ void int8_step(const MmArgs& p, const XView& x, const
                                           float2 wm, int64_t step, int tb, int g, int t, float (&acc)[NT][4]) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    const int tok = tb + nt * 8 + g;
-    uint32_t b0 = 0, b1 = 0;
-    if (tok < p.n) {
-      const int8_t* xr = x.q + (int64_t)(tok - x.tok0) * x.ldq + step * 32 + 4 * t;
-      b0 = *reinterpret_cast<const uint32_t*>(xr);
-      b1 = *reinterpret_cast<const uint32_t*>(xr + 16);
-    }
+    // Block `step` of this 8-token group: lane 4g + t's B operand, then the scales of tokens 2t and 2t + 1.
+    // Slots of tokens past n in a group hold finite values of earlier steps (their outputs are never
+    // written); groups past n are neither allocated nor staged.
+    if (tb + nt * 8 >= p.n) break;
+    const int64_t f = (int64_t)((tb - x.tok0) / 8 + nt) * p.n_steps + step;
+    const uint2 b = *reinterpret_cast<const uint2*>(x.fq + (f * 32 + 4 * g + t) * 8);
     int c[4] = {0, 0, 0, 0};  // a zero accumulator is the zero register; block sums stay below 2^20
-    mma_s8(c, a, b0, b1);
+    mma_s8(c, a, b.x, b.y);
     const float c0 = biased_to_float(c[0] + kIntBias), c1 = biased_to_float(c[1] + kIntBias),
                 c2 = biased_to_float(c[2] + kIntBias), c3 = biased_to_float(c[3] + kIntBias);
-    const int t0 = tb + nt * 8 + 2 * t, t1 = t0 + 1;
-    const int64_t r0 = (int64_t)(t0 - x.tok0) * x.lds + step, r1 = r0 + x.lds;
-    const float xs0 = t0 < p.n ? x.s[r0] : 0.f, xs1 = t1 < p.n ? x.s[r1] : 0.f;
+    const float2 xs = *reinterpret_cast<const float2*>(x.fs + f * 8 + 2 * t);
+    const float xs0 = xs.x, xs1 = xs.y;
     if constexpr (F == kQ4_K) {
-      const float m0 = t0 < p.n ? (float)x.sum[r0] : 0.f;
-      const float m1 = t1 < p.n ? (float)x.sum[r1] : 0.f;
+      const int2 sums = *reinterpret_cast<const int2*>(x.fsum + f * 8 + 2 * t);
+      const float m0 = (float)sums.x, m1 = (float)sums.y;
       acc[nt][0] += xs0 * (ws.x * c0 - wm.x * m0);
       acc[nt][1] += xs1 * (ws.x * c1 - wm.x * m1);
       acc[nt][2] += xs0 * (ws.y * c2 - wm.y * m0);
@@ -243,16 +241,17 @@ __device__ __forceinline__ void compute_round(const MmArgs& p, const XView& x, c
   }
 }
 
-// Staged rows are padded (stage_x): a lane group g reads token g's row, so with rows a multiple of 128
-// bytes apart the 8 tokens of an mma hit the same 4 banks (an 8-way conflict on every B-operand load); 16
-// bytes more per row of codes or halves, and one more scale per row, spread them over all 32 banks.
-__host__ __device__ constexpr int staged_ldq(int f, int64_t k) { return (int)(half_fmt(f) ? k + 8 : k + 16); }
-__host__ __device__ constexpr int staged_lds(int64_t k) { return (int)(k / 32 + 1); }
+// Half formats stage padded rows (stage_x): a lane group g reads token g's row, so with rows a multiple of
+// 128 bytes apart the 8 tokens of an mma hit the same 4 banks (an 8-way conflict on every B-operand load);
+// 8 halves more per row cut that to 4-way (2-way at best with 16-byte aligned rows). Quantized formats read
+// the fragment-ordered planes (ActBuf::fq: a warp's B operand is 256 contiguous bytes), so they need none.
+__host__ __device__ constexpr int staged_ldq(int64_t k) { return (int)(k + 8); }
+__host__ __device__ constexpr int token_groups(int nt) { return (nt + 7) / 8; }
 
-// Shared-memory bytes for `nt` tokens of staged activations: codes, block scales and (Q4_K) block sums,
-// or the hi and lo halves (padded rows; the fused preparation's unpadded rows need less).
+// Shared-memory bytes for `nt` tokens of staged activations: the hi and lo halves, or whole groups of 8
+// tokens of fragment-ordered codes, block scales and block sums.
 __host__ __device__ constexpr size_t staged_bytes(int f, int64_t k, int nt) {
-  return half_fmt(f) ? (size_t)nt * staged_ldq(f, k) * 4 : (size_t)nt * (staged_ldq(f, k) + staged_lds(k) * 8);
+  return half_fmt(f) ? (size_t)nt * staged_ldq(k) * 4 : (size_t)token_groups(nt) * 8 * (k + k / 32 * 8);
 }
 
 // The ActKind (as int) a weight format reads its input in.
@@ -261,10 +260,10 @@ __host__ __device__ constexpr int act_kind_of(int f) {
        : f == kQ4_K || f == kTQ2 ? (int)ActKind::Q8_K : (int)ActKind::Q8_0;
 }
 
-// Shared-memory views of the staged activations, laid out as an ActBuf of nt rows (what emit() writes, rows
-// of k) or, padded, with rows ldq and lds apart.
+// Shared-memory views of the staged activations, laid out as an ActBuf of nt rows (what emit() writes):
+// halves in rows ldq apart, quantized formats in the fragment planes only.
 template <int F>
-__device__ ActBuf staged_buf(int64_t k, int nt, uint8_t* sm, int ldq, int lds) {
+__device__ ActBuf staged_buf(int64_t k, int nt, uint8_t* sm, int ldq) {
   ActBuf o;
   o.kind = (ActKind)act_kind_of(F);
   o.k = k;
@@ -273,22 +272,23 @@ __device__ ActBuf staged_buf(int64_t k, int nt, uint8_t* sm, int ldq, int lds) {
     o.hi = reinterpret_cast<uint16_t*>(sm);
     o.lo = o.hi + nt * ldq;
   } else {
-    o.q = reinterpret_cast<int8_t*>(sm);
-    o.scale = reinterpret_cast<float*>(sm + nt * ldq);
-    o.sum = reinterpret_cast<int32_t*>(o.scale + nt * lds);
+    const int64_t rows = token_groups(nt) * 8;
+    o.fq = reinterpret_cast<int8_t*>(sm);
+    o.fs = reinterpret_cast<float*>(sm + rows * k);
+    o.fsum = reinterpret_cast<int32_t*>(o.fs + rows * (k / 32));
   }
   return o;
 }
 
-__device__ __forceinline__ XView view_of(const ActBuf& o, int tok0, int ldq, int lds) {
-  return XView{o.q, o.scale, o.sum, o.hi, o.lo, tok0, ldq, lds};
+__device__ __forceinline__ XView view_of(const ActBuf& o, int tok0, int ldq) {
+  return XView{o.fq, o.fs, o.fsum, o.hi, o.lo, tok0, ldq};
 }
 
 // Fused preparation: the CTA computes RMSNorm / SwiGLU / plain of its tokens and quantizes them into shared
 // memory with the same functions (and CTA size) as prep_kernel, so the codes equal the unfused path's.
 template <int F>
 __device__ XView stage_prep(const MmArgs& p, int tb, int nt, uint8_t* sm) {
-  ActBuf o = staged_buf<F>(p.k, nt, sm, (int)p.k, (int)(p.k / 32));
+  ActBuf o = staged_buf<F>(p.k, nt, sm, (int)p.k);
   constexpr int kind = act_kind_of(F);
   switch (p.prep.mode) {
     case Prep::Plain: prep_rows<kind, (int)Prep::Plain>(p.prep, tb, nt, o); break;
@@ -296,12 +296,7 @@ __device__ XView stage_prep(const MmArgs& p, int tb, int nt, uint8_t* sm) {
     case Prep::SwiGlu: prep_rows<kind, (int)Prep::SwiGlu>(p.prep, tb, nt, o); break;
   }
   __syncthreads();
-  return view_of(o, tb, (int)p.k, (int)(p.k / 32));
-}
-
-__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src)
-               : "memory");
+  return view_of(o, tb, (int)p.k);
 }
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
@@ -309,15 +304,15 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
                : "memory");
 }
 
-// Copies the CTA's tokens [tb, tb + nt) of the activation buffers to shared memory, into rows padded as
-// staged_ldq / staged_lds say. Every copy is issued before the CTA waits for any (cp.async), so staging
-// costs one L2 round trip, not one per loop iteration: 32 tokens of k = 768 are 28 KiB, 7 rounds of 16
-// bytes per thread. Codes and halves move 16 bytes at a time (k is a multiple of 32, resp. 16, and the
-// buffers are 256-byte aligned), scales and sums 4 bytes at a time (padded rows are not 16-byte aligned).
+// Copies the CTA's tokens [tb, tb + nt) of the activation buffers to shared memory: half rows padded to
+// staged_ldq, or the whole 8-token groups of the fragment planes, which are contiguous. Every copy is
+// issued before the CTA waits for any (cp.async), so staging costs one L2 round trip, not one per loop
+// iteration: 32 tokens of k = 768 are 30 KiB, 8 rounds of 16 bytes per thread. Everything moves 16 bytes
+// at a time (k is a multiple of 32, resp. 16, and the buffers are 256-byte aligned).
 template <int F>
 __device__ XView stage_x(const MmArgs& p, int tb, int nt, uint8_t* sm) {
-  const int k = (int)p.k, kb = k / 32, ldq = staged_ldq(F, k), lds = staged_lds(k);
-  ActBuf o = staged_buf<F>(k, nt, sm, ldq, lds);
+  const int k = (int)p.k, ldq = staged_ldq(k);
+  ActBuf o = staged_buf<F>(k, nt, sm, ldq);
   if constexpr (half_fmt(F)) {
     const uint16_t* shi = p.xhi + (int64_t)tb * k;
     const uint16_t* slo = p.xlo + (int64_t)tb * k;
@@ -328,21 +323,17 @@ __device__ XView stage_x(const MmArgs& p, int tb, int nt, uint8_t* sm) {
       cp_async16(o.lo + row * ldq + 8 * c, slo + 8 * i);
     }
   } else {
-    const int8_t* sq = p.xq + (int64_t)tb * k;
-    const int per_row = k / 16;
-    for (int i = threadIdx.x; i < nt * per_row; i += blockDim.x) {
-      const int row = i / per_row, c = i - row * per_row;
-      cp_async16(o.q + row * ldq + 16 * c, sq + 16 * i);
-    }
-    for (int i = threadIdx.x; i < nt * kb; i += blockDim.x) {
-      const int row = i / kb, c = i - row * kb;
-      cp_async4(o.scale + row * lds + c, p.xs + (int64_t)tb * kb + i);
-      if constexpr (F == kQ4_K) cp_async4(o.sum + row * lds + c, p.xsum + (int64_t)tb * kb + i);
+    const int64_t rows = token_groups(nt) * 8, kb = k / 32;
+    const int8_t* sq = p.xfq + (int64_t)tb * k;  // tb is a multiple of 8: group tb / 8 starts there
+    for (int64_t i = threadIdx.x; i < rows * k / 16; i += blockDim.x) cp_async16(o.fq + 16 * i, sq + 16 * i);
+    for (int64_t i = threadIdx.x; i < rows * kb / 4; i += blockDim.x) {
+      cp_async16(o.fs + 4 * i, p.xfs + tb * kb + 4 * i);
+      if constexpr (F == kQ4_K) cp_async16(o.fsum + 4 * i, p.xfsum + tb * kb + 4 * i);
     }
   }
   asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
-  return view_of(o, tb, ldq, lds);
+  return view_of(o, tb, ldq);
 }
 
 // Sums each group's partial tiles (split warps each) in a fixed order (deterministic) and writes (or adds)
@@ -446,7 +437,7 @@ __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
   if (it.n > 0 && c.tile(it) < p.tiles) load_round<F>(p, c.tile(it), c.chunk(it), lane, ra);
   pdl_trigger();
   pdl_wait();
-  XView x{p.xq, p.xs, p.xsum, p.xhi, p.xlo, 0, (int)p.k, (int)(p.k / 32)};
+  XView x{p.xfq, p.xfs, p.xfsum, p.xhi, p.xlo, 0, (int)p.k};
   if (p.fuse_prep) x = stage_prep<F>(p, tb, min(8 * NT, p.n - tb), smem);
   else if (p.stage_x) x = stage_x<F>(p, tb, min(8 * NT, p.n - tb), smem);
   float acc[NT][4];
@@ -603,12 +594,14 @@ namespace {
 MmArgs product_args(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out_rows,
                     bool accumulate) {
   const Geometry geo = geometry(w.fmt, w.rows, w.k);
-  return MmArgs{w.q, w.s, w.k, geo.n_steps, geo.n_chunks, geo.n_super, x.q, x.scale, x.sum, x.hi, x.lo, x.f,
+  return MmArgs{w.q, w.s, w.k, geo.n_steps, geo.n_chunks, geo.n_super, x.fq, x.fs, x.fsum, x.hi, x.lo, x.f,
                 n, d_y, ldy, std::min(n_out_rows, w.rows), w.rows, accumulate ? 1 : 0, geo.tiles, 0, 0, PrepArgs{}, 8,
                 0, RopeKvArgs{}};
 }
 
 void launch_product(int fmt, const MmArgs& p, Stream stream) {
+  MERLIN_CHECK(fmt == kF32 || half_fmt(fmt) || p.fuse_prep || p.xfq != nullptr,
+               "matmul: quantized activations without their fragment planes (act_alloc makes them)");
   switch (fmt) {
     case kF32: {
       const dim3 grid((unsigned)((p.rows + kWarps - 1) / kWarps), (unsigned)((p.n + 7) / 8));

@@ -46,6 +46,12 @@ struct ActBuf {
   int32_t* sum = nullptr;  // Q8_*: [n][k/32] sum of the block's codes (used by Q4_K's mins)
   uint16_t* hi = nullptr;  // F16/BF16: [n][k] x rounded
   uint16_t* lo = nullptr;  // F16/BF16: [n][k] x - hi rounded (hi + lo carries ~16 significant bits)
+  // Q8_*: the codes, scales and sums again in the batched products' operand order (act_impl.cuh,
+  // frag_code_index): rows in groups of 8 (n_cap rounded up), so that a warp reads a block of 32 for 8 rows
+  // as 256 contiguous bytes. Null in buffers that only single-token products read.
+  int8_t* fq = nullptr;
+  float* fs = nullptr;
+  int32_t* fsum = nullptr;
 };
 ActBuf act_alloc(ActKind kind, int64_t k, int n_cap);
 void act_free(ActBuf& a);
