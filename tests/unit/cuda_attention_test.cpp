@@ -277,6 +277,9 @@ TEST(CudaAttention, EmitsTheProductInputOfAPlainPreparation) {
         } else {
           EXPECT_EQ(download(got.hi, elems), download(want.hi, elems));
           EXPECT_EQ(download(got.lo, elems), download(want.lo, elems));
+          const size_t felems = (size_t)(a.n + 7) / 8 * 8 * ((a.ld + 31) / 32 * 32);
+          EXPECT_EQ(download(got.fhi, felems), download(want.fhi, felems));
+          EXPECT_EQ(download(got.flo, felems), download(want.flo, felems));
         }
         cu::act_free(got);
         cu::act_free(want);

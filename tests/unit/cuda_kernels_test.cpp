@@ -128,6 +128,40 @@ TEST(CudaKernels, ActivationQuantizersMatchCpuBits) {
   }
 }
 
+// The F16/BF16 fragment planes the batched half products read: per group of 8 rows and 32 columns (rows
+// padded to 32), lane L = 4 g + c holds row g's columns 8c..8c+7 at halves 8 L .. 8 L + 7; the padding and
+// the rows past n of the last group stay zero. 11 rows of 48 columns: a partial group and a half block.
+TEST(CudaKernels, HalfFragmentPlanesHoldTheRows) {
+  REQUIRE_GPU();
+  const int n = 11;
+  const int64_t k = 48, kp = 64;
+  DevFloats dx(gaussian((size_t)n * k, 9));
+  for (cu::ActKind kind : {cu::ActKind::F16, cu::ActKind::BF16}) {
+    cu::ActBuf a = cu::act_alloc(kind, k, n);
+    cu::PrepArgs p;
+    p.d_x = dx.p;
+    p.ld = k;
+    cu::prep_act(p, n, a, nullptr);
+    cu::sync_device();
+    const auto hi = download(a.hi, (size_t)n * k), lo = download(a.lo, (size_t)n * k);
+    const auto fhi = download(a.fhi, (size_t)16 * kp), flo = download(a.flo, (size_t)16 * kp);
+    std::vector<int> seen(fhi.size(), 0);
+    int mismatches = 0;
+    for (int r = 0; r < n; ++r)
+      for (int64_t i = 0; i < k; ++i) {
+        const int64_t j = i % 32, lane = (r % 8) * 4 + j / 8;
+        const size_t f = (size_t)((((r / 8) * (kp / 32) + i / 32) * 32 + lane) * 8 + j % 8);
+        mismatches += fhi[f] != hi[r * k + i] || flo[f] != lo[r * k + i];
+        seen[f] = 1;
+      }
+    EXPECT_EQ(mismatches, 0);
+    int nonzero_padding = 0;
+    for (size_t f = 0; f < fhi.size(); ++f) nonzero_padding += !seen[f] && (fhi[f] != 0 || flo[f] != 0);
+    EXPECT_EQ(nonzero_padding, 0);
+    cu::act_free(a);
+  }
+}
+
 TEST(CudaKernels, RmsNormAndSwiGluMatchCpu) {
   REQUIRE_GPU();
   const auto& ref = kernels::kernels_for(KernelLevel::Scalar);

@@ -60,10 +60,14 @@ ActBuf act_alloc(ActKind kind, int64_t k, int n_cap) {
   switch (kind) {
     case ActKind::F32: a.f = static_cast<float*>(dev_alloc(n * 4)); break;
     case ActKind::F16:
-    case ActKind::BF16:
+    case ActKind::BF16: {
       a.hi = static_cast<uint16_t*>(dev_alloc(n * 2));
       a.lo = static_cast<uint16_t*>(dev_alloc(n * 2));
+      const size_t nf = (size_t)(n_cap + 7) / 8 * 8 * (size_t)((k + 31) / 32 * 32);  // padding stays zero
+      a.fhi = static_cast<uint16_t*>(dev_alloc(nf * 2));
+      a.flo = static_cast<uint16_t*>(dev_alloc(nf * 2));
       break;
+    }
     case ActKind::Q8_0:
     case ActKind::Q8_K: {
       MERLIN_CHECK(k % (kind == ActKind::Q8_K ? 256 : 32) == 0, "quantized activations of ", k, " elements");
@@ -90,6 +94,8 @@ void act_free(ActBuf& a) {
   dev_free(a.fq);
   dev_free(a.fs);
   dev_free(a.fsum);
+  dev_free(a.fhi);
+  dev_free(a.flo);
   a = ActBuf{};
 }
 

@@ -34,6 +34,27 @@ __host__ __device__ __forceinline__ int64_t frag_scale_index(int t, int64_t bloc
   return ((int64_t)(t >> 3) * (k >> 5) + block) * 8 + (t & 7);
 }
 
+// The same for F16/BF16 halves (ActBuf::fhi, flo): per group of 8 rows and 32 columns (rows padded to a
+// multiple of 32), lane L = 4 g + c finds row g's columns 8c..8c+7 at halves 8 L .. 8 L + 7 (the batched
+// half product's k-steps 2p and 2p + 1 read columns 8c..8c+3 and 8c+4..8c+7 of block p, matrix_layout.cuh).
+__host__ __device__ __forceinline__ int64_t frag_half_index(int t, int64_t i, int64_t k) {
+  const int j = (int)(i & 31);
+  const int lane = (t & 7) * 4 + (j >> 3);
+  return (((int64_t)(t >> 3) * ((k + 31) >> 5) + (i >> 5)) * 32 + lane) * 8 + (j & 7);
+}
+
+__device__ __forceinline__ void put_half(ActBuf& o, int t, int64_t i, uint16_t hi, uint16_t lo) {
+  if (o.hi) {
+    o.hi[t * o.k + i] = hi;
+    o.lo[t * o.k + i] = lo;
+  }
+  if (o.fhi) {
+    const int64_t f = frag_half_index(t, i, o.k);
+    o.fhi[f] = hi;
+    o.flo[f] = lo;
+  }
+}
+
 // Codes, scale and sum of a Q8 element / block in both layouts (the row planes are null in buffers staged
 // for the batched products, the fragment planes null where only single-token products read).
 __device__ __forceinline__ void put_code(ActBuf& o, int t, int64_t i, int q) {
@@ -60,14 +81,12 @@ __device__ void emit(float v, bool valid, int t, int64_t i, ActBuf& o) {
   } else if constexpr (Kind == (int)ActKind::F16) {
     if (valid) {
       const __half h = __float2half_rn(v);
-      o.hi[t * k + i] = __half_as_ushort(h);
-      o.lo[t * k + i] = __half_as_ushort(__float2half_rn(v - __half2float(h)));
+      put_half(o, t, i, __half_as_ushort(h), __half_as_ushort(__float2half_rn(v - __half2float(h))));
     }
   } else if constexpr (Kind == (int)ActKind::BF16) {
     if (valid) {
       const __nv_bfloat16 h = __float2bfloat16_rn(v);
-      o.hi[t * k + i] = __bfloat16_as_ushort(h);
-      o.lo[t * k + i] = __bfloat16_as_ushort(__float2bfloat16_rn(v - __bfloat162float(h)));
+      put_half(o, t, i, __bfloat16_as_ushort(h), __bfloat16_as_ushort(__float2bfloat16_rn(v - __bfloat162float(h))));
     }
   } else if constexpr (Kind == (int)ActKind::Q8_0) {
     if (valid) {  // k % 32 == 0, so a warp is all valid or all not

@@ -40,8 +40,8 @@ struct MmArgs {
   const int8_t* xfq;  // quantized activations in fragment order (ActBuf::fq, fs, fsum)
   const float* xfs;
   const int32_t* xfsum;
-  const uint16_t* xhi;
-  const uint16_t* xlo;
+  const uint16_t* xfhi;  // half activations in fragment order (ActBuf::fhi, flo)
+  const uint16_t* xflo;
   const float* xf;
   int n;
   float* y;
@@ -57,16 +57,15 @@ struct MmArgs {
 };
 
 // The activations a CTA reads: the global buffers, or the CTA's own tokens staged in shared memory (from
-// token tok0 on, a multiple of 8). Generic pointers serve both, so the product code is the same. Quantized
-// formats read the fragment planes (groups of 8 tokens), half formats rows of halves ldq apart.
+// token tok0 on, a multiple of 8). Generic pointers serve both, so the product code is the same. Both read
+// the fragment-ordered planes (groups of 8 tokens: a warp's B operand is contiguous).
 struct XView {
   const int8_t* fq;
   const float* fs;
   const int32_t* fsum;
-  const uint16_t* hi;
-  const uint16_t* lo;
+  const uint16_t* fhi;
+  const uint16_t* flo;
   int tok0;
-  int ldq;
 };
 
 // ---------------------------------------------------------------------------------------------------------
@@ -157,6 +156,12 @@ __device__ __forceinline__ void step_scales(const Round<F>& r, int i, float2& ws
   }
 }
 
+// The view's group of tokens tb + 8 nt .. + 7, or for a group past the step's tokens the CTA's first group.
+__device__ __forceinline__ int group_or_first(const MmArgs& p, const XView& x, int tb, int nt) {
+  const int first = (tb - x.tok0) / 8;
+  return tb + nt * 8 < p.n ? first + nt : first;
+}
+
 template <int F, int NT>
 __device__ __forceinline__ void int8_step(const MmArgs& p, const XView& x, const uint32_t (&a)[4], float2 ws,
                                           float2 wm, int64_t step, int tb, int g, int t, float (&acc)[NT][4]) {
@@ -164,9 +169,10 @@ __device__ __forceinline__ void int8_step(const MmArgs& p, const XView& x, const
   for (int nt = 0; nt < NT; ++nt) {
     // Block `step` of this 8-token group: lane 4g + t's B operand, then the scales of tokens 2t and 2t + 1.
     // Slots of tokens past n in a group hold finite values of earlier steps (their outputs are never
-    // written); groups past n are neither allocated nor staged.
-    if (tb + nt * 8 >= p.n) break;
-    const int64_t f = (int64_t)((tb - x.tok0) / 8 + nt) * p.n_steps + step;
+    // written); groups past n are neither allocated nor staged, so they read the CTA's first group instead
+    // (a select, not a branch: with a branch the compiler no longer batched the groups' loads, and 32-token
+    // products fell from 27 to 15 % of the copy bandwidth).
+    const int64_t f = (int64_t)group_or_first(p, x, tb, nt) * p.n_steps + step;
     const uint2 b = *reinterpret_cast<const uint2*>(x.fq + (f * 32 + 4 * g + t) * 8);
     int c[4] = {0, 0, 0, 0};  // a zero accumulator is the zero register; block sums stay below 2^20
     mma_s8(c, a, b.x, b.y);
@@ -192,23 +198,18 @@ __device__ __forceinline__ void int8_step(const MmArgs& p, const XView& x, const
 
 // k-step `step` of a half matrix: A holds rows g, g + 8 at physical columns 32 (step >> 1) + 8t + 4 (step & 1)
 // + {0, 1} (logical 2t, 2t + 1) and + {2, 3} (logical 2t + 8, 2t + 9), so the token's B operand is the same
-// four columns; columns past k (row padding) read as zero.
+// four columns: halves 4 (step & 1) .. + 3 of lane 4g + t's 8 in the fragment planes. Columns past k (row
+// padding) are zero there.
 template <int F, int NT>
 __device__ __forceinline__ void half_step(const MmArgs& p, const XView& x, const uint32_t (&a)[4], int64_t step,
                                           int tb, int g, int t, float (&acc)[NT][4]) {
-  const int64_t col = (step >> 1) * 32 + 8 * t + 4 * (step & 1);
+  const int64_t blocks = (p.k + 31) / 32;
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    const int tok = tb + nt * 8 + g;
-    uint32_t h0 = 0, h1 = 0, l0 = 0, l1 = 0;
-    if (tok < p.n && col < p.k) {
-      const int64_t o = (int64_t)(tok - x.tok0) * x.ldq + col;
-      // col is a multiple of 4 and rows are 16-byte multiples apart: one 8-byte load per plane
-      const uint2 h = *reinterpret_cast<const uint2*>(x.hi + o), l = *reinterpret_cast<const uint2*>(x.lo + o);
-      h0 = h.x, h1 = h.y, l0 = l.x, l1 = l.y;
-    }
-    mma_half<F == kBF16>(acc[nt], a, l0, l1);
-    mma_half<F == kBF16>(acc[nt], a, h0, h1);
+    const int64_t o = (((int64_t)group_or_first(p, x, tb, nt) * blocks + (step >> 1)) * 32 + 4 * g + t) * 8 + 4 * (step & 1);
+    const uint2 h = *reinterpret_cast<const uint2*>(x.fhi + o), l = *reinterpret_cast<const uint2*>(x.flo + o);
+    mma_half<F == kBF16>(acc[nt], a, l.x, l.y);
+    mma_half<F == kBF16>(acc[nt], a, h.x, h.y);
   }
 }
 
@@ -241,17 +242,13 @@ __device__ __forceinline__ void compute_round(const MmArgs& p, const XView& x, c
   }
 }
 
-// Half formats stage padded rows (stage_x): a lane group g reads token g's row, so with rows a multiple of
-// 128 bytes apart the 8 tokens of an mma hit the same 4 banks (an 8-way conflict on every B-operand load);
-// 8 halves more per row cut that to 4-way (2-way at best with 16-byte aligned rows). Quantized formats read
-// the fragment-ordered planes (ActBuf::fq: a warp's B operand is 256 contiguous bytes), so they need none.
-__host__ __device__ constexpr int staged_ldq(int64_t k) { return (int)(k + 8); }
 __host__ __device__ constexpr int token_groups(int nt) { return (nt + 7) / 8; }
+__host__ __device__ constexpr int64_t padded_k(int64_t k) { return (k + 31) / 32 * 32; }
 
-// Shared-memory bytes for `nt` tokens of staged activations: the hi and lo halves, or whole groups of 8
-// tokens of fragment-ordered codes, block scales and block sums.
+// Shared-memory bytes for `nt` tokens of staged activations: whole groups of 8 tokens of the fragment
+// planes (hi and lo halves of rows padded to 32 columns, or codes, block scales and block sums).
 __host__ __device__ constexpr size_t staged_bytes(int f, int64_t k, int nt) {
-  return half_fmt(f) ? (size_t)nt * staged_ldq(k) * 4 : (size_t)token_groups(nt) * 8 * (k + k / 32 * 8);
+  return (size_t)token_groups(nt) * 8 * (half_fmt(f) ? padded_k(k) * 4 : k + k / 32 * 8);
 }
 
 // The ActKind (as int) a weight format reads its input in.
@@ -260,19 +257,19 @@ __host__ __device__ constexpr int act_kind_of(int f) {
        : f == kQ4_K || f == kTQ2 ? (int)ActKind::Q8_K : (int)ActKind::Q8_0;
 }
 
-// Shared-memory views of the staged activations, laid out as an ActBuf of nt rows (what emit() writes):
-// halves in rows ldq apart, quantized formats in the fragment planes only.
+// Shared-memory views of the staged activations, laid out as the fragment planes of an ActBuf of nt rows
+// (what emit() writes).
 template <int F>
-__device__ ActBuf staged_buf(int64_t k, int nt, uint8_t* sm, int ldq) {
+__device__ ActBuf staged_buf(int64_t k, int nt, uint8_t* sm) {
   ActBuf o;
   o.kind = (ActKind)act_kind_of(F);
   o.k = k;
   o.n_cap = nt;
+  const int64_t rows = token_groups(nt) * 8;
   if constexpr (half_fmt(F)) {
-    o.hi = reinterpret_cast<uint16_t*>(sm);
-    o.lo = o.hi + nt * ldq;
+    o.fhi = reinterpret_cast<uint16_t*>(sm);
+    o.flo = o.fhi + rows * padded_k(k);
   } else {
-    const int64_t rows = token_groups(nt) * 8;
     o.fq = reinterpret_cast<int8_t*>(sm);
     o.fs = reinterpret_cast<float*>(sm + rows * k);
     o.fsum = reinterpret_cast<int32_t*>(o.fs + rows * (k / 32));
@@ -280,15 +277,20 @@ __device__ ActBuf staged_buf(int64_t k, int nt, uint8_t* sm, int ldq) {
   return o;
 }
 
-__device__ __forceinline__ XView view_of(const ActBuf& o, int tok0, int ldq) {
-  return XView{o.fq, o.fs, o.fsum, o.hi, o.lo, tok0, ldq};
+__device__ __forceinline__ XView view_of(const ActBuf& o, int tok0) {
+  return XView{o.fq, o.fs, o.fsum, o.fhi, o.flo, tok0};
 }
 
 // Fused preparation: the CTA computes RMSNorm / SwiGLU / plain of its tokens and quantizes them into shared
 // memory with the same functions (and CTA size) as prep_kernel, so the codes equal the unfused path's.
 template <int F>
 __device__ XView stage_prep(const MmArgs& p, int tb, int nt, uint8_t* sm) {
-  ActBuf o = staged_buf<F>(p.k, nt, sm, (int)p.k);
+  ActBuf o = staged_buf<F>(p.k, nt, sm);
+  if constexpr (half_fmt(F)) {  // the row padding must read as zero (emit writes columns < k only)
+    if (p.k % 32 != 0)
+      for (int64_t i = threadIdx.x; i < staged_bytes(F, p.k, nt) / 2; i += blockDim.x) o.fhi[i] = 0;
+    __syncthreads();
+  }
   constexpr int kind = act_kind_of(F);
   switch (p.prep.mode) {
     case Prep::Plain: prep_rows<kind, (int)Prep::Plain>(p.prep, tb, nt, o); break;
@@ -296,7 +298,7 @@ __device__ XView stage_prep(const MmArgs& p, int tb, int nt, uint8_t* sm) {
     case Prep::SwiGlu: prep_rows<kind, (int)Prep::SwiGlu>(p.prep, tb, nt, o); break;
   }
   __syncthreads();
-  return view_of(o, tb, (int)p.k);
+  return view_of(o, tb);
 }
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
@@ -304,27 +306,26 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
                : "memory");
 }
 
-// Copies the CTA's tokens [tb, tb + nt) of the activation buffers to shared memory: half rows padded to
-// staged_ldq, or the whole 8-token groups of the fragment planes, which are contiguous. Every copy is
-// issued before the CTA waits for any (cp.async), so staging costs one L2 round trip, not one per loop
-// iteration: 32 tokens of k = 768 are 30 KiB, 8 rounds of 16 bytes per thread. Everything moves 16 bytes
-// at a time (k is a multiple of 32, resp. 16, and the buffers are 256-byte aligned).
+// Copies the CTA's tokens [tb, tb + nt) of the activation buffers to shared memory: the whole 8-token groups
+// of the fragment planes, which are contiguous. Every copy is issued before the CTA waits for any
+// (cp.async), so staging costs one L2 round trip, not one per loop iteration: 32 tokens of k = 768 are 30
+// KiB, 8 rounds of 16 bytes per thread. Everything moves 16 bytes at a time (group offsets are multiples of
+// 256 bytes and the buffers are 256-byte aligned).
 template <int F>
 __device__ XView stage_x(const MmArgs& p, int tb, int nt, uint8_t* sm) {
-  const int k = (int)p.k, ldq = staged_ldq(k);
-  ActBuf o = staged_buf<F>(k, nt, sm, ldq);
+  ActBuf o = staged_buf<F>(p.k, nt, sm);
+  const int64_t rows = token_groups(nt) * 8;  // tb is a multiple of 8: group tb / 8 starts at row tb
   if constexpr (half_fmt(F)) {
-    const uint16_t* shi = p.xhi + (int64_t)tb * k;
-    const uint16_t* slo = p.xlo + (int64_t)tb * k;
-    const int per_row = k / 8;
-    for (int i = threadIdx.x; i < nt * per_row; i += blockDim.x) {
-      const int row = i / per_row, c = i - row * per_row;
-      cp_async16(o.hi + row * ldq + 8 * c, shi + 8 * i);
-      cp_async16(o.lo + row * ldq + 8 * c, slo + 8 * i);
+    const int64_t kp = padded_k(p.k);
+    const uint16_t* shi = p.xfhi + tb * kp;
+    const uint16_t* slo = p.xflo + tb * kp;
+    for (int64_t i = threadIdx.x; i < rows * kp / 8; i += blockDim.x) {
+      cp_async16(o.fhi + 8 * i, shi + 8 * i);
+      cp_async16(o.flo + 8 * i, slo + 8 * i);
     }
   } else {
-    const int64_t rows = token_groups(nt) * 8, kb = k / 32;
-    const int8_t* sq = p.xfq + (int64_t)tb * k;  // tb is a multiple of 8: group tb / 8 starts there
+    const int64_t k = p.k, kb = k / 32;
+    const int8_t* sq = p.xfq + tb * k;
     for (int64_t i = threadIdx.x; i < rows * k / 16; i += blockDim.x) cp_async16(o.fq + 16 * i, sq + 16 * i);
     for (int64_t i = threadIdx.x; i < rows * kb / 4; i += blockDim.x) {
       cp_async16(o.fs + 4 * i, p.xfs + tb * kb + 4 * i);
@@ -333,7 +334,7 @@ __device__ XView stage_x(const MmArgs& p, int tb, int nt, uint8_t* sm) {
   }
   asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
-  return view_of(o, tb, ldq);
+  return view_of(o, tb);
 }
 
 // Sums each group's partial tiles (split warps each) in a fixed order (deterministic) and writes (or adds)
@@ -437,7 +438,7 @@ __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
   if (it.n > 0 && c.tile(it) < p.tiles) load_round<F>(p, c.tile(it), c.chunk(it), lane, ra);
   pdl_trigger();
   pdl_wait();
-  XView x{p.xfq, p.xfs, p.xfsum, p.xhi, p.xlo, 0, (int)p.k};
+  XView x{p.xfq, p.xfs, p.xfsum, p.xfhi, p.xflo, 0};
   if (p.fuse_prep) x = stage_prep<F>(p, tb, min(8 * NT, p.n - tb), smem);
   else if (p.stage_x) x = stage_x<F>(p, tb, min(8 * NT, p.n - tb), smem);
   float acc[NT][4];
@@ -594,14 +595,14 @@ namespace {
 MmArgs product_args(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out_rows,
                     bool accumulate) {
   const Geometry geo = geometry(w.fmt, w.rows, w.k);
-  return MmArgs{w.q, w.s, w.k, geo.n_steps, geo.n_chunks, geo.n_super, x.fq, x.fs, x.fsum, x.hi, x.lo, x.f,
+  return MmArgs{w.q, w.s, w.k, geo.n_steps, geo.n_chunks, geo.n_super, x.fq, x.fs, x.fsum, x.fhi, x.flo, x.f,
                 n, d_y, ldy, std::min(n_out_rows, w.rows), w.rows, accumulate ? 1 : 0, geo.tiles, 0, 0, PrepArgs{}, 8,
                 0, RopeKvArgs{}};
 }
 
 void launch_product(int fmt, const MmArgs& p, Stream stream) {
-  MERLIN_CHECK(fmt == kF32 || half_fmt(fmt) || p.fuse_prep || p.xfq != nullptr,
-               "matmul: quantized activations without their fragment planes (act_alloc makes them)");
+  MERLIN_CHECK(fmt == kF32 || p.fuse_prep || (half_fmt(fmt) ? p.xfhi != nullptr : p.xfq != nullptr),
+               "matmul: activations without their fragment planes (act_alloc makes them)");
   switch (fmt) {
     case kF32: {
       const dim3 grid((unsigned)((p.rows + kWarps - 1) / kWarps), (unsigned)((p.n + 7) / 8));

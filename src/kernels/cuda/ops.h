@@ -52,6 +52,9 @@ struct ActBuf {
   int8_t* fq = nullptr;
   float* fs = nullptr;
   int32_t* fsum = nullptr;
+  // F16/BF16: hi and lo in the m16n8k16 B-operand order (frag_half_index), rows padded to 32 columns.
+  uint16_t* fhi = nullptr;
+  uint16_t* flo = nullptr;
 };
 ActBuf act_alloc(ActKind kind, int64_t k, int n_cap);
 void act_free(ActBuf& a);
