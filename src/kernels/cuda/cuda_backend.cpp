@@ -354,7 +354,15 @@ void CudaBackend::prepare_inputs(const cuda::PrepArgs& p, const Linear& l, int n
   for (const Matrix& m : l.mats) {
     const ActKind kind = gemm ? cuda::gemm_act_kind(m) : m.act();
     if (std::find(done, done + n_done, kind) != done + n_done) continue;
-    cuda::prep_act(p, n, act(kind, m.k), stream_);
+    ActBuf out = act(kind, m.k);
+    if (gemm) {  // cuBLAS reads the rows only: no fragment-ordered copy for the batched products
+      out.fq = nullptr;
+      out.fs = nullptr;
+      out.fsum = nullptr;
+      out.fhi = nullptr;
+      out.flo = nullptr;
+    }
+    cuda::prep_act(p, n, out, stream_);
     done[n_done++] = kind;
   }
 }
