@@ -131,9 +131,31 @@ __device__ __forceinline__ Rows make_rows(int seq, int kvh, int n_kv_heads, int 
 
 // Pass 1: scores[p - p0] for positions p0 .. p1 - 1; returns this thread's running max. The trip count is the
 // same for every thread, so the group shuffles see full warps.
+// Cache slots of this thread's positions in a pass's first iteration (p0 + u * n_groups + group), looked up
+// before pdl_wait: block tables are written before a step's first kernel, never by a kernel, so the K and V
+// loads after the wait no longer sit behind a table load.
+struct FirstSlots {
+  int64_t s[kPosUnroll];
+};
+
+__device__ __forceinline__ FirstSlots first_slots(const KvArgs& kv, const Rows& r, int p0, int p1) {
+  FirstSlots f;
+#pragma unroll
+  for (int u = 0; u < kPosUnroll; ++u) {
+    const int p = p0 + u * r.n_groups + r.group;
+    f.s[u] = r.active && p < p1 ? kv_slot(kv, r.seq, p) : 0;
+  }
+  return f;
+}
+
+__device__ __forceinline__ int64_t slot_at(const KvArgs& kv, const Rows& r, const FirstSlots& f, int base, int p0,
+                                           int u, int p) {
+  return base == p0 ? f.s[u] : kv_slot(kv, r.seq, p);
+}
+
 template <bool F16>
-__device__ __forceinline__ float score_pass(const KvArgs& kv, const Rows& r, const float (&qr)[8], float scale, int p0, int p1,
-                                            float* scores) {
+__device__ __forceinline__ float score_pass(const KvArgs& kv, const Rows& r, const FirstSlots& fs, const float (&qr)[8],
+                                            float scale, int p0, int p1, float* scores) {
   float mx = -INFINITY;
   for (int base = p0; base < p1; base += r.n_groups * kPosUnroll) {
     float kr[kPosUnroll][8];
@@ -141,7 +163,7 @@ __device__ __forceinline__ float score_pass(const KvArgs& kv, const Rows& r, con
     for (int u = 0; u < kPosUnroll; ++u) {
       const int p = base + u * r.n_groups + r.group;
       if (r.active && p < p1)
-        load8<F16>(kv.d_k, kv_slot(kv, r.seq, p) * r.kv_dim + r.head_off + 8 * r.gi, kr[u]);
+        load8<F16>(kv.d_k, slot_at(kv, r, fs, base, p0, u, p) * r.kv_dim + r.head_off + 8 * r.gi, kr[u]);
       else
 #pragma unroll
         for (int j = 0; j < 8; ++j) kr[u][j] = 0.f;
@@ -196,7 +218,8 @@ __device__ __forceinline__ float exp_weights(float* scores, int n, float mx, flo
 // Pass 2: each lane's sums of weights[p - p0] * V over positions p0 .. p1 - 1 (same grouping as pass 1),
 // left in part[threadIdx.x][8] for group_total.
 template <bool F16>
-__device__ __forceinline__ void value_pass(const KvArgs& kv, const Rows& r, const float* weights, int p0, int p1, float* part) {
+__device__ __forceinline__ void value_pass(const KvArgs& kv, const Rows& r, const FirstSlots& fs, const float* weights,
+                                           int p0, int p1, float* part) {
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   if (r.active) {
     for (int base = p0; base < p1; base += r.n_groups * kPosUnroll) {
@@ -204,7 +227,7 @@ __device__ __forceinline__ void value_pass(const KvArgs& kv, const Rows& r, cons
 #pragma unroll
       for (int u = 0; u < kPosUnroll; ++u) {
         const int p = base + u * r.n_groups + r.group;
-        if (p < p1) load8<F16>(kv.d_v, kv_slot(kv, r.seq, p) * r.kv_dim + r.head_off + 8 * r.gi, vr[u]);
+        if (p < p1) load8<F16>(kv.d_v, slot_at(kv, r, fs, base, p0, u, p) * r.kv_dim + r.head_off + 8 * r.gi, vr[u]);
       }
 #pragma unroll
       for (int u = 0; u < kPosUnroll; ++u) {
@@ -303,29 +326,35 @@ __global__ void __launch_bounds__(kAttnThreads) attention_kernel(const float* qk
                                                                  int hd, int n_scores, KvArgs kv, float* out,
                                                                  SplitArgs sp, ActBuf qo) {
   extern __shared__ float sm[];
-  float* scores = sm;        // [n_scores]
-  float* q = sm + n_scores;  // [hd]
-  float* part = q + hd;      // [kAttnThreads][8]: each lane's partial V sums of its 8 dims
+  float* scores = sm;             // [n_scores]
+  float* part = sm + n_scores + hd;  // [kAttnThreads][8]: each lane's partial V sums of its 8 dims
   __shared__ float red[kAttnThreads / 32];
-  pdl_trigger();
-  pdl_wait();
+  // Positions, sequences and block tables are written before the step's first kernel, never by a kernel, so
+  // everything up to the cache slots is looked up before the wait; after it, q and the first K rows load
+  // together. (Splits without work exit without waiting: they read nothing.)
   const int h = blockIdx.x, t = blockIdx.y, split = blockIdx.z, pos = d_pos[t], seq = d_seq[t], n_pos = pos + 1;
   // Splits with work on this token; one: the whole context in split 0, the unsplit numerics.
   const int n_act = Split ? (n_pos + sp.chunk - 1) / sp.chunk : 1;
   const bool whole = n_act == 1;
   const int p0 = whole ? 0 : split * sp.chunk;
+  pdl_trigger();
   if (whole ? split != 0 : p0 >= n_pos) return;
   const int p1 = whole ? n_pos : min(p0 + sp.chunk, n_pos);
-  for (int d = threadIdx.x; d < hd; d += kAttnThreads) {
-    const float v = qkv[(int64_t)t * ld + h * hd + d];
-    q[d] = F16 ? round_to_half(v) : v;
-  }
-  __syncthreads();
   const Rows r = make_rows(seq, h / (n_heads / n_kv_heads), n_kv_heads, hd);
+  const FirstSlots fs = first_slots(kv, r, p0, p1);
+  pdl_wait();
   float qr[8];
+  if (r.active) {  // this lane's 8 dims of q, straight from the QKV product's output (16-byte aligned rows)
+    const float4* qp = reinterpret_cast<const float4*>(qkv + (int64_t)t * ld + h * hd + 8 * r.gi);
+    const float4 a = qp[0], b = qp[1];
+    const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
-  for (int j = 0; j < 8; ++j) qr[j] = r.active ? q[8 * r.gi + j] : 0.f;
-  float mx = score_pass<F16>(kv, r, qr, 1.0f / sqrtf((float)hd), p0, p1, scores);
+    for (int j = 0; j < 8; ++j) qr[j] = F16 ? round_to_half(v[j]) : v[j];
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) qr[j] = 0.f;
+  }
+  float mx = score_pass<F16>(kv, r, fs, qr, 1.0f / sqrtf((float)hd), p0, p1, scores);
   mx = block_reduce(mx, red, true);  // also orders the score writes before the reads below
   // A split's partial: [max, sum of exp, V sum of hd]. Max and sum are stored before pass 2 so that they do
   // not hold registers through it.
@@ -339,7 +368,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_kernel(const float* qk
       mine[1] = l;
     }
   }
-  value_pass<F16>(kv, r, scores, p0, p1, part);
+  value_pass<F16>(kv, r, fs, scores, p0, p1, part);
   float* o = out + (int64_t)t * n_heads * hd + h * hd;
   const int d = threadIdx.x;  // hd <= kAttnThreads: one dim per thread
   if (whole) {
@@ -416,6 +445,8 @@ void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32
   (void)k_off;
   MERLIN_CHECK(head_dim % 8 == 0 && head_dim <= 256, "the CUDA attention kernel needs a head size that is a multiple "
                "of 8 and at most 256 (this model's is ", head_dim, ")");
+  MERLIN_CHECK(ld % 4 == 0 && reinterpret_cast<uintptr_t>(d_qkv) % 16 == 0,
+               "attention: query rows must be 16-byte aligned (lanes load q 16 bytes at a time)");
   // Larger batches already give every SM work without splitting.
   const bool split = scratch && scratch->n_split > 1 && n <= scratch->max_tokens;
   if (split)
