@@ -3,7 +3,8 @@
 // RMSNorm each CTA re-reads the whole row for its sum of squares (same order everywhere: same scale). The
 // quantizers reproduce the CPU's: Q8_0 as llama.cpp's x86 quantize_row_q8_0 (id = 127 / amax, round half to
 // even), Q8_K as quantize_row_q8_k (scale from the signed value of largest magnitude, first one on ties), so
-// the int8 codes are the CPU's codes. The per-element functions live in act_impl.cuh (shared with matmul.cu).
+// the int8 codes are the CPU's codes. The per-element functions live in act_impl.cuh (shared with matmul.cu);
+// they write the rows and the fragment-ordered copy the batched products read.
 #include "kernels/cuda/act_impl.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"

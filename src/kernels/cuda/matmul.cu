@@ -4,8 +4,9 @@
 // (as many CTAs as fit on the GPU at once), so a CTA walks several tiles and its weight stream never drains
 // between them. The warps split each tile's k dimension in rounds of 4 chunks (16 bytes per lane each, the
 // block scales loaded alongside); two rounds alternate in registers, so 128 bytes of weights per lane stay
-// in flight while the previous round computes. Activations of decode-sized batches are staged once per CTA
-// in shared memory. Partial sums meet in shared memory in a fixed order, which keeps results deterministic
+// in flight while the previous round computes. Activations are read in fragment order too (ActBuf::fq /
+// fhi, written by every producer next to the rows): a warp's B operand for 8 tokens is 256 contiguous bytes;
+// decode-sized batches stage theirs once per CTA in shared memory. Partial sums meet in shared memory in a fixed order, which keeps results deterministic
 // (a replayed CUDA graph gives the eager bits). Per k-step a warp issues one tensor-core instruction per 8
 // tokens: int8 (m16n8k32) for the quantized types, whose int32 result is one block's exact integer dot
 // product and is scaled like the CPU's scalar reference; f16/bf16 (m16n8k16) for half weights, with the

@@ -8,7 +8,8 @@
 // lost); activations are quantized the way the CPU backend does (Q8_0 blocks of 32, or Q8_K super-blocks of
 // 256), so the integer block sums equal the CPU's exactly. F16/BF16 matrices stay row-major (rows padded to
 // 32 columns), which cuBLAS reads in place and the products read with a matching column permutation
-// (matrix_layout.cuh).
+// (matrix_layout.cuh). Activations are kept as rows (single-token products, cuBLAS) and, for the batched
+// tensor-core products, a second time in their B-operand order (ActBuf's fragment planes).
 #pragma once
 #include <cstddef>
 #include <cstdint>
