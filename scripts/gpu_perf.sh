@@ -13,12 +13,7 @@
 # microbenchmark, KEEP_MODELS=1 keeps the model files in MODEL_DIR for the next call (and reuses them).
 set -u
 BIN=$(realpath "${1:-build-gpu}")
-OUT=${OUT:-$PWD/gpu-results}
-MODEL_DIR=${MODEL_DIR:-/tmp/merlin-models}
-export MERLIN_VOCAB_DIR=${MERLIN_VOCAB_DIR:-$BIN/gpt2}
-export LD_LIBRARY_PATH="$BIN/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 source "$(dirname "$0")/gpu_env.sh"
-mkdir -p "$OUT" "$MODEL_DIR"
 IFS=';' read -r -a settings <<<"${SETTINGS:-;MERLIN_CUDA_GEMM_MIN=0}"
 [ ${#settings[@]} -eq 0 ] && settings=("")
 if [ "${TESTS:-1}" = 1 ]; then

@@ -13,14 +13,9 @@
 # Results: $OUT (default ./gpu-results)/profile-x<batch>.csv and the summary on stdout.
 set -u
 BIN=$(realpath "${1:-build-gpu}")
-OUT=${OUT:-$PWD/gpu-results}
-MODEL_DIR=${MODEL_DIR:-/tmp/merlin-models}
-export MERLIN_VOCAB_DIR=${MERLIN_VOCAB_DIR:-$BIN/gpt2}
-export LD_LIBRARY_PATH="$BIN/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 source "$(dirname "$0")/gpu_env.sh"
 NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
 TYPE=${TYPE:-q4_0}
-mkdir -p "$OUT" "$MODEL_DIR"
 M="$MODEL_DIR/base-$TYPE.gguf"
 [ -f "$MODEL_DIR/base-f32.gguf" ] || "$BIN/merlin" init --preset base --type f32 -o "$MODEL_DIR/base-f32.gguf" >/dev/null
 [ -f "$M" ] || "$BIN/merlin" quantize -q "$MODEL_DIR/base-f32.gguf" "$M" "$TYPE" >/dev/null

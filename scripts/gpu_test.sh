@@ -13,14 +13,8 @@
 set -u
 BIN=$(realpath "${1:-build-gpu}")
 STAGES=",${2:-tests,sanitize,serve,bench-base},"
-OUT=${OUT:-$PWD/gpu-results}
-MODEL_DIR=${MODEL_DIR:-/tmp/merlin-models}
 SAN=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
-export MERLIN_VOCAB_DIR=${MERLIN_VOCAB_DIR:-$BIN/gpt2}
-# libcpp-httplib and brotli travel in $BIN/lib (the GPU machine does not have our build dependencies).
-export LD_LIBRARY_PATH="$BIN/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 source "$(dirname "$0")/gpu_env.sh"
-mkdir -p "$OUT" "$MODEL_DIR"
 status=0
 has() { [[ $STAGES == *",$1,"* ]]; }
 log() { echo "[gpu_test] $*" | tee -a "$OUT/summary.txt"; }
