@@ -86,7 +86,8 @@ __device__ void emit(float v, bool valid, int t, int64_t i, ActBuf& o) {
   } else if constexpr (Kind == (int)ActKind::BF16) {
     if (valid) {
       const __nv_bfloat16 h = __float2bfloat16_rn(v);
-      put_half(o, t, i, __bfloat16_as_ushort(h), __bfloat16_as_ushort(__float2bfloat16_rn(v - __bfloat162float(h))));
+      const __nv_bfloat16 l = __float2bfloat16_rn(v - __bfloat162float(h));
+      put_half(o, t, i, __bfloat16_as_ushort(h), __bfloat16_as_ushort(l));
     }
   } else if constexpr (Kind == (int)ActKind::Q8_0) {
     if (valid) {  // k % 32 == 0, so a warp is all valid or all not

@@ -6,12 +6,12 @@
 // block scales loaded alongside); two rounds alternate in registers, so 128 bytes of weights per lane stay
 // in flight while the previous round computes. Activations are read in fragment order too (ActBuf::fq /
 // fhi, written by every producer next to the rows): a warp's B operand for 8 tokens is 256 contiguous bytes;
-// decode-sized batches stage theirs once per CTA in shared memory. Partial sums meet in shared memory in a fixed order, which keeps results deterministic
-// (a replayed CUDA graph gives the eager bits). Per k-step a warp issues one tensor-core instruction per 8
-// tokens: int8 (m16n8k32) for the quantized types, whose int32 result is one block's exact integer dot
-// product and is scaled like the CPU's scalar reference; f16/bf16 (m16n8k16) for half weights, with the
-// activations split into hi + lo halves (two products) so the result keeps about 16 significant bits of the
-// f32 activation instead of 8 or 11.
+// decode-sized batches stage theirs once per CTA in shared memory. Partial sums meet in shared memory in a
+// fixed order, which keeps results deterministic (a replayed CUDA graph gives the eager bits). Per k-step a
+// warp issues one tensor-core instruction per 8 tokens: int8 (m16n8k32) for the quantized types, whose int32
+// result is one block's exact integer dot product and is scaled like the CPU's scalar reference; f16/bf16
+// (m16n8k16) for half weights, with the activations split into hi + lo halves (two products) so the result
+// keeps about 16 significant bits of the f32 activation instead of 8 or 11.
 #include <algorithm>
 #include <cstdlib>
 #include <string>
@@ -207,7 +207,8 @@ __device__ __forceinline__ void half_step(const MmArgs& p, const XView& x, const
   const int64_t blocks = (p.k + 31) / 32;
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    const int64_t o = (((int64_t)group_or_first(p, x, tb, nt) * blocks + (step >> 1)) * 32 + 4 * g + t) * 8 + 4 * (step & 1);
+    const int64_t f = (int64_t)group_or_first(p, x, tb, nt) * blocks + (step >> 1);
+    const int64_t o = (f * 32 + 4 * g + t) * 8 + 4 * (step & 1);
     const uint2 h = *reinterpret_cast<const uint2*>(x.fhi + o), l = *reinterpret_cast<const uint2*>(x.flo + o);
     mma_half<F == kBF16>(acc[nt], a, l.x, l.y);
     mma_half<F == kBF16>(acc[nt], a, h.x, h.y);
