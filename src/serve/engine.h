@@ -28,6 +28,9 @@ struct SamplingParams {
   float presence_penalty = 0.0f, frequency_penalty = 0.0f;  // OpenAI semantics, over generated tokens
   std::optional<uint64_t> seed;  // absent: a random seed per request
   int top_logprobs = -1;     // < 0: no logprobs; 0..20: the sampled token's log-probability plus this many alternatives
+  // OpenAI's logit_bias: (token id, bias in [-100, 100]) added to the logits before the penalties and sampling
+  // (-100 bans a token in practice, +100 forces it); log-probabilities stay those of the unmodified logits.
+  std::vector<std::pair<int32_t, float>> logit_bias;
 };
 
 enum class FinishReason { None, Stop, Length, Cancelled, Error };

@@ -191,7 +191,32 @@ std::vector<std::string> parse_stop(const json& body, const RequestLimits& limit
   return out;
 }
 
-void parse_sampling(const json& body, ApiKind kind, CompletionParams& p) {
+// "logit_bias": {"<token id>": bias in [-100, 100], ...}. Ids are checked against the vocabulary in
+// prepare_prompts, which knows the model.
+std::vector<std::pair<int32_t, float>> parse_logit_bias(const json& body, const RequestLimits& limits) {
+  std::vector<std::pair<int32_t, float>> out;
+  const json* v = field(body, "logit_bias");
+  if (!v) return out;
+  if (!v->is_object()) wrong_type("logit_bias", "an object", *v);
+  if ((int)v->size() > limits.max_logit_bias)
+    bad_value("logit_bias", cat("at most ", limits.max_logit_bias, " tokens may be biased."));
+  for (const auto& [key, bias] : v->items()) {
+    int64_t id = -1;
+    const bool digits = !key.empty() && key.size() <= 9 && std::all_of(key.begin(), key.end(), [](char c) {
+      return c >= '0' && c <= '9';
+    });
+    if (digits) id = std::stoll(key);
+    if (id < 0) bad_value("logit_bias", cat("keys must be token ids (non-negative integers), but got '", key, "'."));
+    if (!bias.is_number()) wrong_type("logit_bias", "numbers as values", bias);
+    const double b = bias.get<double>();
+    if (!(b >= -100.0 && b <= 100.0))
+      bad_value("logit_bias", cat("the bias of token ", id, " must be between -100 and 100, but got ", b, "."));
+    out.emplace_back((int32_t)id, (float)b);
+  }
+  return out;
+}
+
+void parse_sampling(const json& body, ApiKind kind, CompletionParams& p, const RequestLimits& limits) {
   SamplingParams& s = p.sampling;
   s.temperature = (float)get_number(body, "temperature", 0.0, 2.0).value_or(1.0);
   s.top_p = (float)get_number(body, "top_p", 0.0, 1.0).value_or(1.0);
@@ -200,6 +225,7 @@ void parse_sampling(const json& body, ApiKind kind, CompletionParams& p) {
   s.presence_penalty = (float)get_number(body, "presence_penalty", -2.0, 2.0).value_or(0.0);
   s.frequency_penalty = (float)get_number(body, "frequency_penalty", -2.0, 2.0).value_or(0.0);
   s.seed = get_seed(body);
+  s.logit_bias = parse_logit_bias(body, limits);
   if (kind == ApiKind::Completion) {
     // Legacy completions: "logprobs": N asks for the sampled token plus N alternatives.
     if (auto n = get_integer(body, "logprobs", 0, 20)) s.top_logprobs = (int)*n;
@@ -245,7 +271,7 @@ CompletionParams parse_completion_params(const json& body, ApiKind kind, const R
   const size_t n_prompts = kind == ApiKind::Chat ? 1 : p.prompts.size();
   if (n_prompts * (size_t)p.n > (size_t)limits.max_choices)
     bad_value("n", cat("prompts × n is ", n_prompts * p.n, "; at most ", limits.max_choices, " choices per request are supported."));
-  parse_sampling(body, kind, p);
+  parse_sampling(body, kind, p, limits);
   p.stop = parse_stop(body, limits);
   p.stream = get_bool(body, "stream").value_or(false);
   p.ignore_eos = get_bool(body, "ignore_eos").value_or(false);
@@ -297,6 +323,9 @@ PreparedPrompts prepare_prompts(const CompletionParams& params, const Tokenizer&
   PreparedPrompts out;
   out.stop_strings = params.stop;
   out.stop_at_eos = !params.ignore_eos;
+  for (const auto& [id, bias] : params.sampling.logit_bias)
+    if (id >= tok.vocab_size())
+      bad_value("logit_bias", cat("token id ", id, " is out of range [0, ", tok.vocab_size(), ")."));
   const char* what = params.kind == ApiKind::Chat ? "messages" : "prompt";
   if (params.kind == ApiKind::Chat) {
     out.prompts.push_back(tokenize_prompt(tok, tmpl.render(params.messages)));

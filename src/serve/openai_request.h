@@ -40,6 +40,7 @@ struct RequestLimits {
   int max_choices = 64;      // prompts × n
   int max_stop = 16;         // stop strings
   size_t max_stop_bytes = 256;
+  int max_logit_bias = 1024;  // entries of logit_bias
 };
 
 struct CompletionParams {

@@ -62,10 +62,13 @@ void RequestSampler::accept(int32_t token) { ++counts_[token]; }
 
 int32_t RequestSampler::sample(const float* logits, int64_t n_vocab) {
   const float* row = logits;
-  if (!counts_.empty() && (params_.presence_penalty != 0 || params_.frequency_penalty != 0)) {
+  const bool penalised = !counts_.empty() && (params_.presence_penalty != 0 || params_.frequency_penalty != 0);
+  if (penalised || !params_.logit_bias.empty()) {
     work_.assign(logits, logits + n_vocab);
+    for (const auto& [token, bias] : params_.logit_bias)
+      if (token >= 0 && token < n_vocab) work_[(size_t)token] += bias;
     for (const auto& [token, count] : counts_) {
-      if (token < 0 || token >= n_vocab) continue;
+      if (!penalised || token < 0 || token >= n_vocab) continue;
       work_[(size_t)token] -= params_.presence_penalty + params_.frequency_penalty * (float)count;
     }
     row = work_.data();

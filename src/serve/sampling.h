@@ -1,4 +1,5 @@
-// Per-request sampling for the server: OpenAI presence/frequency penalties over the generated tokens, then
+// Per-request sampling for the server: OpenAI logit biases and presence/frequency penalties over the
+// generated tokens, then
 // the chain of runtime's Sampler (top-k -> top-p -> min-p at temperature 1, then temperature) with the
 // request's own RNG, so a seeded request draws the same tokens whatever else runs. Unlike Sampler it never
 // sorts the whole vocabulary (a 50K-entry sort per token and request would dominate a 32-request step): it

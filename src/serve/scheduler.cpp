@@ -288,7 +288,7 @@ void Scheduler::add_tokens(Sequence& s, int n) {
   s.in_batch = true;
 }
 
-// Every row that samples takes the plain argmax (temperature 0, no penalties, no logprobs): then the backend
+// Every row that samples takes the plain argmax (temperature 0, no penalties or biases, no logprobs): then the backend
 // picks the tokens itself (forward_greedy: the CPU backend screens its output head and spreads the argmaxes
 // over its threads, a GPU copies back ids instead of logits). The same token as RequestSampler's
 // greedy_token: the first index of the largest logit.
@@ -296,7 +296,9 @@ bool Scheduler::greedy_step() const {
   for (const Row& r : rows_) {
     if (!r.logits) continue;
     const SamplingParams& p = r.seq->request().sampling;
-    if (p.temperature > 0 || p.presence_penalty != 0 || p.frequency_penalty != 0 || p.top_logprobs >= 0) return false;
+    if (p.temperature > 0 || p.presence_penalty != 0 || p.frequency_penalty != 0 || p.top_logprobs >= 0 ||
+        !p.logit_bias.empty())
+      return false;
   }
   return true;
 }

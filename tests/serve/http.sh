@@ -136,6 +136,8 @@ long=$(python3 -c 'import json; print(json.dumps({"prompt": " the" * 600}))')
 check_400 "prompt longer than the context" /v1/completions "$long" "invalid_request_error/prompt/context_length_exceeded"
 check_400 "token id out of range" /v1/completions '{"prompt": [1, 99999999]}' "invalid_request_error/prompt/invalid_value"
 check_400 "n out of range" /v1/completions '{"prompt": "x", "n": 0}' "invalid_request_error/n/invalid_value"
+check_400 "logit_bias id out of range" /v1/completions '{"prompt": "x", "logit_bias": {"99999999": 5}}' "invalid_request_error/logit_bias/invalid_value"
+check_400 "logit_bias value out of range" /v1/chat/completions '{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": -101}}' "invalid_request_error/logit_bias/invalid_value"
 check_400 "tokenize without content" /tokenize '{}' "invalid_request_error/content/missing_required_parameter"
 
 echo "--- 404, 405, 413, X-Request-Id"

@@ -150,6 +150,15 @@ async function testPenaltiesAndSampling() {
     equal(k.choices[0].text, g.choices[0].text, "top_k=1 is greedy");
     const m = await client.completions.create({model: "m", prompt: PROMPT, max_tokens: 8, temperature: 1.5, min_p: 0.99, top_p: 0.5, seed: 3});
     equal(m.choices[0].text, g.choices[0].text, "min_p=0.99 leaves only the top token");
+    // logit_bias: +100 forces a token (11 is "," in GPT-2), -100 bans the greedy first token.
+    const forced = await client.completions.create({model: "m", prompt: PROMPT, max_tokens: 5, temperature: 0, logit_bias: {"11": 100}});
+    equal(forced.choices[0].text, ",,,,,", "logit_bias +100 forces the token");
+    const g1 = await client.completions.create({model: "m", prompt: PROMPT, max_tokens: 1, temperature: 0});
+    const ids = await (await fetch(`${server.url}/tokenize`, {method: "POST", body: JSON.stringify({content: g1.choices[0].text})})).json();
+    const ban = Object.fromEntries(ids.tokens.map((t) => [String(t), -100]));
+    const other = await client.completions.create({model: "m", prompt: PROMPT, max_tokens: 1, temperature: 0, logit_bias: ban});
+    check(other.choices[0].text !== g1.choices[0].text, "logit_bias -100 bans the greedy token",
+          `${JSON.stringify(g1.choices[0].text)} vs ${JSON.stringify(other.choices[0].text)}`);
 }
 
 async function testHeadersAndTokenize() {

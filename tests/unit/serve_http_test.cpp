@@ -144,7 +144,7 @@ TEST(OpenAIRequest, Defaults) {
 TEST(OpenAIRequest, AllSamplingFields) {
   const CompletionParams p = parse(R"({"prompt": "x", "max_tokens": 7, "temperature": 0, "top_p": 0.5, "top_k": 40,
       "min_p": 0.1, "seed": -1, "presence_penalty": 1.5, "frequency_penalty": -0.5, "n": 3, "stop": ["a", ""],
-      "logprobs": 2, "stream": true, "stream_options": {"include_usage": true}})");
+      "logprobs": 2, "stream": true, "stream_options": {"include_usage": true}, "logit_bias": {"50256": -100, "7": 2.5}})");
   EXPECT_EQ(*p.max_tokens, 7);
   EXPECT_FLOAT_EQ(p.sampling.temperature, 0.0f);
   EXPECT_FLOAT_EQ(p.sampling.top_p, 0.5f);
@@ -158,6 +158,9 @@ TEST(OpenAIRequest, AllSamplingFields) {
   EXPECT_EQ(p.sampling.top_logprobs, 2);
   EXPECT_TRUE(p.stream);
   EXPECT_TRUE(p.include_usage);
+  // keys in the order nlohmann::json keeps them (sorted as strings)
+  EXPECT_EQ(p.sampling.logit_bias, (std::vector<std::pair<int32_t, float>>{{50256, -100.0f}, {7, 2.5f}}));
+  EXPECT_TRUE(parse(R"({"prompt": "x", "logit_bias": null})").sampling.logit_bias.empty());
 }
 
 TEST(OpenAIRequest, PromptForms) {
@@ -215,6 +218,13 @@ TEST(OpenAIRequest, WrongTypesAndRangesName400Param) {
       {R"({"prompt": "x", "logprobs": 21})", "logprobs"},
       {R"({"prompt": "x", "presence_penalty": 3})", "presence_penalty"},
       {R"({"prompt": "x", "model": 7})", "model"},
+      {R"({"prompt": "x", "logit_bias": [1]})", "logit_bias"},
+      {R"({"prompt": "x", "logit_bias": {"x": 1}})", "logit_bias"},
+      {R"({"prompt": "x", "logit_bias": {"-1": 1}})", "logit_bias"},
+      {R"({"prompt": "x", "logit_bias": {"": 1}})", "logit_bias"},
+      {R"({"prompt": "x", "logit_bias": {"12345678901": 1}})", "logit_bias"},
+      {R"({"prompt": "x", "logit_bias": {"5": 100.5}})", "logit_bias"},
+      {R"({"prompt": "x", "logit_bias": {"5": "1"}})", "logit_bias"},
   };
   for (const auto& [body, param] : cases) {
     const auto [status, got, code] = error_of(body);
@@ -261,6 +271,17 @@ TEST_F(HttpWithDefaultModel, PreparePromptsChecksTheContext) {
   }
   p = parse(R"({"prompt": [50257]})");
   EXPECT_THROW(prepare_prompts(p, tok, tmpl, 512), ApiError);
+  // logit_bias ids are checked against the vocabulary here, where it is known
+  p = parse(R"({"prompt": "x", "logit_bias": {"50256": 1}})");
+  EXPECT_NO_THROW(prepare_prompts(p, tok, tmpl, 512));
+  p = parse(R"({"prompt": "x", "logit_bias": {"50257": 1}})");
+  try {
+    prepare_prompts(p, tok, tmpl, 512);
+    ADD_FAILURE() << "logit_bias past the vocabulary accepted";
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.status, 400);
+    EXPECT_EQ(e.param, "logit_bias");
+  }
 
   std::string long_text;
   for (int i = 0; i < 600; ++i) long_text += " the";

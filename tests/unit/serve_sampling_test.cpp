@@ -153,6 +153,33 @@ TEST(RequestSampler, PresenceAndFrequencyPenalties) {
   EXPECT_EQ(l[0], 5.0f);  // the caller's row is untouched
 }
 
+// OpenAI's logit_bias: added to the logits before sampling (ids outside the row are ignored here; the request
+// parser rejects them), the caller's row untouched.
+TEST(RequestSampler, LogitBias) {
+  std::vector<float> l = {5.0f, 4.5f, 0.0f, -3.0f};
+  SamplingParams p = params(0.0f);
+  p.logit_bias = {{0, -100.0f}};  // bans the argmax
+  EXPECT_EQ(RequestSampler(p, 1).sample(l.data(), 4), 1);
+  p.logit_bias = {{3, 8.5f}, {99, 100.0f}};  // -3 + 8.5 = 5.5 > 5
+  EXPECT_EQ(RequestSampler(p, 1).sample(l.data(), 4), 3);
+  // +100 forces a token at any temperature, with or without filters.
+  for (const SamplingParams& base : {params(1.0f), params(2.0f, 2, 0.9f, 0.1f)}) {
+    SamplingParams q = base;
+    q.logit_bias = {{2, 100.0f}};
+    RequestSampler s(q, 5);
+    for (int i = 0; i < 50; ++i) EXPECT_EQ(s.sample(l.data(), 4), 2);
+  }
+  // Biases and penalties add up.
+  SamplingParams both = params(0.0f);
+  both.logit_bias = {{1, 0.3f}};  // 4.8 against 5.0
+  both.presence_penalty = 0.5f;
+  RequestSampler b(both, 1);
+  EXPECT_EQ(b.sample(l.data(), 4), 0);
+  b.accept(0);  // 4.5 against 4.8
+  EXPECT_EQ(b.sample(l.data(), 4), 1);
+  EXPECT_EQ(l[0], 5.0f);
+}
+
 TEST(TokenLogprob, IsTheLogSoftmax) {
   std::vector<float> l = {1.0f, 3.0f, 3.0f, -2.0f};
   double z = 0;
