@@ -427,39 +427,42 @@ TEST(CudaKernels, StackedMatricesKeepTheirRows) {
 // gives exactly the bits of the separate preparation kernel followed by the product.
 TEST(CudaKernels, FusedPreparationMatchesSeparateKernels) {
   REQUIRE_GPU();
-  const int64_t k = 768, rows = 37;
-  const std::vector<float> x = gaussian((size_t)10 * 2 * k, 21, 2.0f), w = gaussian((size_t)k, 22);
-  const std::vector<int32_t> sel = {7, 2, 9, 0, 5, 1, 8, 3};
-  DevFloats dx(x), dw(w);
-  auto* d_sel = static_cast<int32_t*>(cu::dev_alloc(sel.size() * 4));
-  cu::copy_to_device(d_sel, sel.data(), sel.size() * 4);
-  const cu::PrepArgs modes[3] = {{cu::Prep::RmsNorm, dx.p, 2 * k, dw.p, 1e-5f, 0, d_sel},
-                                 {cu::Prep::SwiGlu, dx.p, 2 * k, nullptr, 0, k, nullptr},
-                                 {cu::Prep::Plain, dx.p, 2 * k, nullptr, 0, 0, nullptr}};
-  for (DType t : {DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::Q4_K, DType::TQ2_0}) {
-    const std::vector<uint8_t> wm = random_matrix(t, rows, k, 23);
-    const cu::MatrixPart part{t, wm.data(), rows, k, dtype_row_bytes(t, (uint64_t)k)};
-    cu::Matrix m = cu::upload_matrix(&part, 1, nullptr);
-    cu::ActBuf a = cu::act_alloc(m.act(), k, 8);
-    for (int mode = 0; mode < 3; ++mode) {
-      for (int n : {1, 3, 8}) {
-        SCOPED_TRACE(std::string(dtype_name(t)) + " mode " + std::to_string(mode) + " tokens " + std::to_string(n));
-        ASSERT_TRUE(cu::prep_fuses(m, n));
-        const std::vector<float> ones((size_t)n * rows, 1.0f);
-        DevFloats y_sep(ones), y_fused(ones);
-        cu::prep_act(modes[mode], n, a, nullptr);
-        cu::matmul(m, a, n, y_sep.p, rows, rows, true, nullptr);
-        cu::matmul_prep(m, modes[mode], a, n, y_fused.p, rows, rows, true, nullptr);
-        cu::sync_device();
-        const auto got = download(y_fused.p, (size_t)n * rows), want = download(y_sep.p, (size_t)n * rows);
-        EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * 4), 0);
-        EXPECT_GT(max_abs(want), 0.0f);
+  for (const int64_t k : {768, 4096}) {  // base and 7.19B rows (at 4096 only n = 1 qualifies)
+    const int64_t rows = 37;
+    const std::vector<float> x = gaussian((size_t)10 * 2 * k, 21, 2.0f), w = gaussian((size_t)k, 22);
+    const std::vector<int32_t> sel = {7, 2, 9, 0, 5, 1, 8, 3};
+    DevFloats dx(x), dw(w);
+    auto* d_sel = static_cast<int32_t*>(cu::dev_alloc(sel.size() * 4));
+    cu::copy_to_device(d_sel, sel.data(), sel.size() * 4);
+    const cu::PrepArgs modes[3] = {{cu::Prep::RmsNorm, dx.p, 2 * k, dw.p, 1e-5f, 0, d_sel},
+                                   {cu::Prep::SwiGlu, dx.p, 2 * k, nullptr, 0, k, nullptr},
+                                   {cu::Prep::Plain, dx.p, 2 * k, nullptr, 0, 0, nullptr}};
+    for (DType t : {DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::Q4_K, DType::TQ2_0}) {
+      const std::vector<uint8_t> wm = random_matrix(t, rows, k, 23);
+      const cu::MatrixPart part{t, wm.data(), rows, k, dtype_row_bytes(t, (uint64_t)k)};
+      cu::Matrix m = cu::upload_matrix(&part, 1, nullptr);
+      cu::ActBuf a = cu::act_alloc(m.act(), k, 8);
+      for (int mode = 0; mode < 3; ++mode) {
+        for (int n : {1, 3, 8}) {
+          SCOPED_TRACE(std::string(dtype_name(t)) + " mode " + std::to_string(mode) + " tokens " + std::to_string(n) +
+                       " k " + std::to_string(k));
+          if (n * k > 8192) EXPECT_FALSE(cu::prep_fuses(m, n));  // matmul_prep then runs the two kernels
+          const std::vector<float> ones((size_t)n * rows, 1.0f);
+          DevFloats y_sep(ones), y_fused(ones);
+          cu::prep_act(modes[mode], n, a, nullptr);
+          cu::matmul(m, a, n, y_sep.p, rows, rows, true, nullptr);
+          cu::matmul_prep(m, modes[mode], a, n, y_fused.p, rows, rows, true, nullptr);
+          cu::sync_device();
+          const auto got = download(y_fused.p, (size_t)n * rows), want = download(y_sep.p, (size_t)n * rows);
+          EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * 4), 0);
+          EXPECT_GT(max_abs(want), 0.0f);
+        }
       }
+      cu::act_free(a);
+      cu::free_matrix(m);
     }
-    cu::act_free(a);
-    cu::free_matrix(m);
+    cu::dev_free(d_sel);
   }
-  cu::dev_free(d_sel);
 }
 
 // Greedy argmax on the device against the host loop of sampler.h's argmax (first maximum wins): rows with

@@ -15,6 +15,8 @@
 // the unsplit numerics. Otherwise each split leaves its max, sum of exponentials and unnormalised V sum in
 // the scratch and the last split to finish combines them in split order (deterministic).
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 
 #include "kernels/cuda/act_impl.cuh"
 #include "kernels/cuda/common.cuh"
@@ -153,18 +155,59 @@ __device__ __forceinline__ int64_t slot_at(const KvArgs& kv, const Rows& r, cons
   return base == p0 ? f.s[u] : kv_slot(kv, r.seq, p);
 }
 
+// With Hoist, the V rows of pass 2's first iteration are requested with pass 1's first K rows: in a short
+// context (one iteration, up to 128 positions for 64-dim heads) pass 2 then waits on no memory round trip of
+// its own.
+// An f16 cache keeps them as the loaded 16 bytes (half the registers of floats).
 template <bool F16>
+struct FirstValues {
+  uint4 raw[kPosUnroll][F16 ? 1 : 2];
+};
+
+template <bool F16>
+__device__ __forceinline__ void load_raw(const void* base, int64_t off, uint4 (&raw)[F16 ? 1 : 2]) {
+  if constexpr (F16) {
+    raw[0] = *reinterpret_cast<const uint4*>(static_cast<const __half*>(base) + off);
+  } else {
+    const uint4* f = reinterpret_cast<const uint4*>(static_cast<const float*>(base) + off);
+    raw[0] = f[0];
+    raw[1] = f[1];
+  }
+}
+
+// load8's conversion of a loaded row chunk.
+template <bool F16>
+__device__ __forceinline__ void unpack8(const uint4 (&raw)[F16 ? 1 : 2], float (&v)[8]) {
+  if constexpr (F16) {
+    const __half2* h = reinterpret_cast<const __half2*>(&raw[0]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __half22float2(h[j]);
+      v[2 * j] = f.x;
+      v[2 * j + 1] = f.y;
+    }
+  } else {
+    v[0] = __uint_as_float(raw[0].x); v[1] = __uint_as_float(raw[0].y);
+    v[2] = __uint_as_float(raw[0].z); v[3] = __uint_as_float(raw[0].w);
+    v[4] = __uint_as_float(raw[1].x); v[5] = __uint_as_float(raw[1].y);
+    v[6] = __uint_as_float(raw[1].z); v[7] = __uint_as_float(raw[1].w);
+  }
+}
+
+template <bool F16, bool Hoist>
 __device__ __forceinline__ float score_pass(const KvArgs& kv, const Rows& r, const FirstSlots& fs, const float (&qr)[8],
-                                            float scale, int p0, int p1, float* scores) {
+                                            float scale, int p0, int p1, float* scores, FirstValues<F16>& fv) {
   float mx = -INFINITY;
   for (int base = p0; base < p1; base += r.n_groups * kPosUnroll) {
     float kr[kPosUnroll][8];
 #pragma unroll
     for (int u = 0; u < kPosUnroll; ++u) {
       const int p = base + u * r.n_groups + r.group;
-      if (r.active && p < p1)
-        load8<F16>(kv.d_k, slot_at(kv, r, fs, base, p0, u, p) * r.kv_dim + r.head_off + 8 * r.gi, kr[u]);
-      else
+      if (r.active && p < p1) {
+        const int64_t off = slot_at(kv, r, fs, base, p0, u, p) * r.kv_dim + r.head_off + 8 * r.gi;
+        load8<F16>(kv.d_k, off, kr[u]);
+        if (Hoist && base == p0) load_raw<F16>(kv.d_v, off, fv.raw[u]);
+      } else
 #pragma unroll
         for (int j = 0; j < 8; ++j) kr[u][j] = 0.f;
     }
@@ -217,9 +260,9 @@ __device__ __forceinline__ float exp_weights(float* scores, int n, float mx, flo
 
 // Pass 2: each lane's sums of weights[p - p0] * V over positions p0 .. p1 - 1 (same grouping as pass 1),
 // left in part[threadIdx.x][8] for group_total.
-template <bool F16>
-__device__ __forceinline__ void value_pass(const KvArgs& kv, const Rows& r, const FirstSlots& fs, const float* weights,
-                                           int p0, int p1, float* part) {
+template <bool F16, bool Hoist>
+__device__ __forceinline__ void value_pass(const KvArgs& kv, const Rows& r, const FirstSlots& fs,
+                                           const FirstValues<F16>& fv, const float* weights, int p0, int p1, float* part) {
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   if (r.active) {
     for (int base = p0; base < p1; base += r.n_groups * kPosUnroll) {
@@ -227,7 +270,12 @@ __device__ __forceinline__ void value_pass(const KvArgs& kv, const Rows& r, cons
 #pragma unroll
       for (int u = 0; u < kPosUnroll; ++u) {
         const int p = base + u * r.n_groups + r.group;
-        if (p < p1) load8<F16>(kv.d_v, slot_at(kv, r, fs, base, p0, u, p) * r.kv_dim + r.head_off + 8 * r.gi, vr[u]);
+        if (p >= p1) continue;
+        if (Hoist && base == p0) {
+          unpack8<F16>(fv.raw[u], vr[u]);
+        } else {
+          load8<F16>(kv.d_v, kv_slot(kv, r.seq, p) * r.kv_dim + r.head_off + 8 * r.gi, vr[u]);
+        }
       }
 #pragma unroll
       for (int u = 0; u < kPosUnroll; ++u) {
@@ -320,7 +368,7 @@ __device__ __forceinline__ void write_out(float* o, ActBuf qo, int t, int h, int
 // split 0, exactly as without splits; a longer one is cut into chunks of sp.chunk positions, one per split,
 // and splits starting past its end exit. n_scores: the shared score buffer's length. The unsplit launch has
 // its own instance (Split = false) so that the split bookkeeping costs it no registers.
-template <bool F16, bool Split>
+template <bool F16, bool Split, bool Hoist>
 __global__ void __launch_bounds__(kAttnThreads) attention_kernel(const float* qkv, int64_t ld, const int32_t* d_pos,
                                                                  const int32_t* d_seq, int n_heads, int n_kv_heads,
                                                                  int hd, int n_scores, KvArgs kv, float* out,
@@ -354,7 +402,8 @@ __global__ void __launch_bounds__(kAttnThreads) attention_kernel(const float* qk
 #pragma unroll
     for (int j = 0; j < 8; ++j) qr[j] = 0.f;
   }
-  float mx = score_pass<F16>(kv, r, fs, qr, 1.0f / sqrtf((float)hd), p0, p1, scores);
+  FirstValues<F16> fv;
+  float mx = score_pass<F16, Hoist>(kv, r, fs, qr, 1.0f / sqrtf((float)hd), p0, p1, scores, fv);
   mx = block_reduce(mx, red, true);  // also orders the score writes before the reads below
   // A split's partial: [max, sum of exp, V sum of hd]. Max and sum are stored before pass 2 so that they do
   // not hold registers through it.
@@ -368,7 +417,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_kernel(const float* qk
       mine[1] = l;
     }
   }
-  value_pass<F16>(kv, r, fs, scores, p0, p1, part);
+  value_pass<F16, Hoist>(kv, r, fs, fv, scores, p0, p1, part);
   float* o = out + (int64_t)t * n_heads * hd + h * hd;
   const int d = threadIdx.x;  // hd <= kAttnThreads: one dim per thread
   if (whole) {
@@ -399,8 +448,10 @@ int split_chunk(int n_ctx) {
 void attention_prepare(int n_ctx) {
   const int bytes = (int)attention_smem(n_ctx, 256);
   MERLIN_CHECK(bytes <= 227 * 1024, "context of ", n_ctx, " positions is too long for the attention kernel");
-  for (auto kernel : {attention_kernel<true, false>, attention_kernel<false, false>, attention_kernel<true, true>,
-                      attention_kernel<false, true>})
+  for (auto kernel : {attention_kernel<true, false, false>, attention_kernel<false, false, false>,
+                      attention_kernel<true, true, false>, attention_kernel<false, true, false>,
+                      attention_kernel<true, false, true>, attention_kernel<false, false, true>,
+                      attention_kernel<true, true, true>, attention_kernel<false, true, true>})
     MERLIN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
@@ -457,8 +508,26 @@ void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32
   const int n_scores = split ? scratch->chunk : n_ctx;
   const dim3 grid((unsigned)n_heads, (unsigned)n, split ? (unsigned)scratch->n_split : 1u);
   const size_t smem = attention_smem(n_scores, head_dim);
-  auto kernel = kv.f16 ? (split ? attention_kernel<true, true> : attention_kernel<true, false>)
-                       : (split ? attention_kernel<false, true> : attention_kernel<false, false>);
+  // Hoisting pass 2's first V rows costs about 40 registers (2 CTAs per SM instead of 3): only for grids that
+  // fit one wave at 2 per SM (decode of a few tokens, where the kernel is a chain of round trips).
+  static const int sm_count = [] {
+    int dev = 0, n_sm = 0;
+    MERLIN_CUDA_CHECK(cudaGetDevice(&dev));
+    MERLIN_CUDA_CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
+    return n_sm;
+  }();
+  static const bool hoist_on = [] {  // MERLIN_CUDA_ATTN_HOIST=0: never (for A/B timing)
+    const char* e = std::getenv("MERLIN_CUDA_ATTN_HOIST");
+    return !(e && std::string(e) == "0");
+  }();
+  const bool hoist = hoist_on && (int64_t)grid.x * grid.y * grid.z <= 2 * (int64_t)sm_count;
+  using Kernel = decltype(&attention_kernel<true, true, true>);
+  static const Kernel kernels[2][2][2] = {
+      {{attention_kernel<false, false, false>, attention_kernel<false, false, true>},
+       {attention_kernel<false, true, false>, attention_kernel<false, true, true>}},
+      {{attention_kernel<true, false, false>, attention_kernel<true, false, true>},
+       {attention_kernel<true, true, false>, attention_kernel<true, true, true>}}};
+  const Kernel kernel = kernels[kv.f16][split][hoist];
   ActBuf qo;  // kind F32: no second output
   if (out_act) {
     MERLIN_CHECK(attention_emits(out_act->kind, head_dim) && out_act->k == (int64_t)n_heads * head_dim &&
