@@ -5,7 +5,7 @@
 #
 # BIN_DIR holds merlin, cuda_kernels_test, cuda_gemm_test and cuda_backend_test (and gpt2/ with encoder.json + vocab.bpe for
 # `merlin init`; cuda_matvec for the matvec stage); default build-gpu. STAGES: comma-separated subset of
-# tests,sanitize,serve,matvec,bench-base,bench-big (default tests,sanitize,serve,bench-base). `matvec` times
+# tests,sanitize,serve,serve-load,matvec,bench-base,bench-big (default tests,sanitize,serve,bench-base). `matvec` times
 # the matrix products alone on one 16384 x 4096 and one 4096 x 16384 matrix per weight type (matvec.md). `serve` starts `merlin serve --device cuda` on a loopback port and sends
 # one completion and one streaming chat request. Results go to $OUT (default ./gpu-results): tests.log, sanitize.log,
 # bench-*.md/json. BIG_PRESETS (default "iphone macbook") and BIG_TYPES (default "bf16 q8_0 q4_0 q4_k mxfp4 tq2_0")
@@ -31,7 +31,7 @@ fi
 if has sanitize; then
   # memcheck over the kernel tests and the backend's graph / paged paths (the slow whole-model parity tests
   # run the same kernels and are left out to keep the run short).
-  for spec in "cuda_kernels_test:CudaKernels.*" "cuda_gemm_test:CudaGemm.*" "cuda_attention_test:CudaFlash*" "cuda_backend_test:CudaBackend.GraphReplay*:CudaBackend.Paged*:CudaBackend.GreedyIds*"; do
+  for spec in "cuda_kernels_test:CudaKernels.*" "cuda_gemm_test:CudaGemm.*" "cuda_attention_test:CudaFlash*" "cuda_backend_test:CudaBackend.GraphReplay*:CudaBackend.Paged*:CudaBackend.GreedyIds*:CudaBackend.SampledIds*"; do
     bin=${spec%%:*}; filter=${spec#*:}
     if "$SAN" --tool memcheck --error-exitcode 3 "$BIN/$bin" --gtest_brief=1 --gtest_filter="$filter" \
         >>"$OUT/sanitize.log" 2>&1; then log "memcheck clean: $bin ($filter)"; else log "memcheck FAILED: $bin"; status=1; fi
@@ -89,6 +89,33 @@ if has serve; then
   if serve_smoke; then log "PASS serve --device cuda (completion + streaming chat)"; else log "FAIL serve --device cuda (see serve.log)"; status=1; fi
   grep "^\[serve\]" "$OUT/serve.log"
 fi
+
+# Aggregate tokens/s of `merlin serve --device cuda` on `base` Q4_0 at 1 and 32 clients (scripts/gpu_serve_load.py,
+# 128 tokens per request): greedy, then temperature 1 sampled on the device and, for comparison, on the host
+# (MERLIN_SERVE_BACKEND_SAMPLING=0: the logits rows come back).
+serve_load() {
+  local port=${SERVE_PORT:-18090} model="$MODEL_DIR/base-q4_0.gguf"
+  [ -f "$model" ] || { "$BIN/merlin" init --preset base --type f32 -o "$MODEL_DIR/base-f32.gguf" &&
+    "$BIN/merlin" quantize -q "$MODEL_DIR/base-f32.gguf" "$model" q4_0 && rm -f "$MODEL_DIR/base-f32.gguf"; } \
+    >>"$OUT/serve-load.log" 2>&1
+  for setting in "" MERLIN_SERVE_BACKEND_SAMPLING=0; do
+    env $setting "$BIN/merlin" serve -m "$model" --device cuda --port "$port" --parallel 32 >>"$OUT/serve-load.log" 2>&1 &
+    local pid=$!
+    python3 -c "import time,urllib.request as u
+for _ in range(240):
+    try: u.urlopen('http://127.0.0.1:$port/health', timeout=2); break
+    except Exception: time.sleep(0.5)"
+    for temp in 0 1; do
+      [ "$temp" = 0 ] && [ -n "$setting" ] && continue
+      for c in 1 32; do
+        echo "${setting:-defaults} $(python3 "$(dirname "$0")/gpu_serve_load.py" "http://127.0.0.1:$port" -c "$c" \
+          -r $((c == 1 ? 8 : 64)) -n 128 -t "$temp")" | tee -a "$OUT/serve-load.md"
+      done
+    done
+    kill "$pid"; wait "$pid" 2>/dev/null
+  done
+}
+if has serve-load; then serve_load; fi
 
 if has matvec; then
   "$BIN/cuda_matvec" | tee "$OUT/matvec.md" || { log "matvec FAILED"; status=1; }

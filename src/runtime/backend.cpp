@@ -13,6 +13,16 @@ void Backend::forward_greedy(const Batch& batch, int64_t n_vocab, int32_t* token
   for (size_t r = 0; r < batch.n_logits(); ++r) tokens[r] = argmax(logits.data() + r * (size_t)n_vocab, n_vocab);
 }
 
+void Backend::forward_sample(const Batch& batch, int64_t n_vocab, std::span<const RowSampling> rows,
+                             std::span<const LogitAdjust> adjust, int32_t* tokens) {
+  const size_t n_rows = batch.n_logits();
+  MERLIN_CHECK(rows.size() == n_rows, "forward_sample: ", rows.size(), " sampling rows for ", n_rows, " logits rows");
+  std::vector<float> logits(n_rows * (size_t)n_vocab), work;
+  forward(batch, logits.data());
+  for (size_t r = 0; r < n_rows; ++r)
+    tokens[r] = sample_row(logits.data() + r * (size_t)n_vocab, n_vocab, rows[r], adjust.data(), work);
+}
+
 #ifdef MERLIN_HAVE_CUDA
 // Defined in src/kernels/cuda (built only with MERLIN_CUDA); throws merlin::Error when no GPU is present.
 std::unique_ptr<Backend> make_cuda_backend(const Model& model, const BackendOptions& opts);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "runtime/row_sampling.h"
 
 namespace merlin {
 
@@ -70,6 +71,11 @@ class Backend {
   // logits and takes argmax() on the host; the CUDA backend finds the maximum on the device and copies back
   // only batch.n_logits() int32 ids.
   virtual void forward_greedy(const Batch& batch, int64_t n_vocab, int32_t* tokens);
+  // Runs the batch like forward(), but `tokens` receives, per row with want_logits (batch order), the token
+  // that sample_row (row_sampling.h) picks with rows[r] and its adjustments in `adjust`. The default computes
+  // the logits and samples on the host; the CUDA backend samples on the device and copies back only the ids.
+  virtual void forward_sample(const Batch& batch, int64_t n_vocab, std::span<const RowSampling> rows,
+                              std::span<const LogitAdjust> adjust, int32_t* tokens);
   // Forgets everything cached for a sequence (the next token of it starts at position 0).
   virtual void clear_sequence(int seq) = 0;
 

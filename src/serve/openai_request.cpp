@@ -211,7 +211,10 @@ std::vector<std::pair<int32_t, float>> parse_logit_bias(const json& body, const 
     const double b = bias.get<double>();
     if (!(b >= -100.0 && b <= 100.0))
       bad_value("logit_bias", cat("the bias of token ", id, " must be between -100 and 100, but got ", b, "."));
-    out.emplace_back((int32_t)id, (float)b);
+    // "5" and "05" name the same token: their biases add up (one entry per token, as the samplers expect).
+    const auto same = std::find_if(out.begin(), out.end(), [&](const auto& e) { return e.first == (int32_t)id; });
+    if (same != out.end()) same->second = (float)((double)same->second + b);
+    else out.emplace_back((int32_t)id, (float)b);
   }
   return out;
 }

@@ -56,9 +56,38 @@ int32_t greedy_token(const float* logits, int64_t n) {
     if (logits[i] == best) return (int32_t)i;
 }
 
-RequestSampler::RequestSampler(const SamplingParams& params, uint64_t seed) : params_(params), rng_(seed) {}
+RequestSampler::RequestSampler(const SamplingParams& params, uint64_t seed) : params_(params), rng_(seed) {
+  for (size_t i = 0; i < params_.logit_bias.size(); ++i) bias_at_.emplace(params_.logit_bias[i].first, i);
+}
 
 void RequestSampler::accept(int32_t token) { ++counts_[token]; }
+
+bool RequestSampler::backend_samplable() const {
+  return params_.top_k <= 0 && params_.top_p >= 1.0f && params_.min_p <= 0;
+}
+
+RowSampling RequestSampler::row_sampling(std::vector<LogitAdjust>& adjust) {
+  RowSampling r;
+  r.temperature = params_.temperature;
+  r.first = (int32_t)adjust.size();
+  for (const auto& [token, bias] : params_.logit_bias) adjust.push_back({token, bias, 0.0f, LogitAdjust::kBias});
+  const bool penalised = !counts_.empty() && (params_.presence_penalty != 0 || params_.frequency_penalty != 0);
+  if (penalised) {
+    for (const auto& [token, count] : counts_) {
+      const float penalty = params_.presence_penalty + params_.frequency_penalty * (float)count;
+      if (const auto b = bias_at_.find(token); b != bias_at_.end()) {  // one entry per token: bias, then penalty
+        LogitAdjust& a = adjust[(size_t)r.first + b->second];
+        a.penalty = penalty;
+        a.flags |= LogitAdjust::kPenalty;
+      } else {
+        adjust.push_back({token, 0.0f, penalty, LogitAdjust::kPenalty});
+      }
+    }
+  }
+  r.n_adjust = (int32_t)adjust.size() - r.first;
+  if (params_.temperature > 0) r.u = rng_.uniform_double();
+  return r;
+}
 
 int32_t RequestSampler::sample(const float* logits, int64_t n_vocab) {
   const float* row = logits;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/rng.h"
+#include "runtime/row_sampling.h"
 #include "serve/engine.h"
 
 namespace merlin::serve {
@@ -23,6 +24,12 @@ class RequestSampler {
   int32_t sample(const float* logits, int64_t n_vocab);
   // Records a generated token for the penalties.
   void accept(int32_t token);
+  // Whether a backend can sample for this request (Backend::forward_sample): no top-k, top-p or min-p filter.
+  bool backend_samplable() const;
+  // The request's next token as a RowSampling for forward_sample: appends its logit biases and penalties to
+  // `adjust` and draws the uniform the way sample() would, so both paths pick the same token from the same
+  // logits and leave the RNG in the same state. Only when backend_samplable().
+  RowSampling row_sampling(std::vector<LogitAdjust>& adjust);
 
  private:
   struct Candidate {
@@ -36,6 +43,7 @@ class RequestSampler {
   SamplingParams params_;
   Rng rng_;
   std::unordered_map<int32_t, int> counts_;
+  std::unordered_map<int32_t, size_t> bias_at_;  // token -> its index in params_.logit_bias
   std::vector<float> work_;         // penalised logits
   std::vector<Candidate> cand_;     // the best candidates, sorted (logit descending, then id)
   std::vector<double> weights_;

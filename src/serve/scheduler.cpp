@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <random>
+#include <string>
 
 #include "core/error.h"
 #include "core/sys.h"
@@ -303,13 +305,41 @@ bool Scheduler::greedy_step() const {
   return true;
 }
 
+// Otherwise, when no row asks for log-probabilities or a top-k / top-p / min-p filter (the OpenAI default:
+// a temperature over the whole vocabulary), the backend samples (forward_sample) with what each request's
+// sampler decides (biases, penalties, the draw's uniform): the same tokens as sampling the logits here.
+bool Scheduler::backend_sample_step() const {
+  static const bool enabled = [] {  // MERLIN_SERVE_BACKEND_SAMPLING=0: sample every such step here (A/B timing)
+    const char* e = std::getenv("MERLIN_SERVE_BACKEND_SAMPLING");
+    return !(e && std::string(e) == "0");
+  }();
+  if (!enabled) return false;
+  for (const Row& r : rows_) {
+    if (!r.logits) continue;
+    if (r.seq->request().sampling.top_logprobs >= 0 || !r.seq->sampler.backend_samplable()) return false;
+  }
+  return true;
+}
+
+void Scheduler::build_row_sampling() {
+  sample_rows_.clear();
+  sample_adjust_.clear();
+  for (const Row& r : rows_)
+    if (r.logits) sample_rows_.push_back(r.seq->sampler.row_sampling(sample_adjust_));
+}
+
 void Scheduler::run_batch() {
   const bool greedy = greedy_step();
+  const bool on_backend = !greedy && backend_sample_step();
   try {
-    if (greedy)
+    if (greedy) {
       backend_.forward_greedy(batch_, vocab_, greedy_tokens_.data());
-    else
+    } else if (on_backend) {
+      build_row_sampling();
+      backend_.forward_sample(batch_, vocab_, sample_rows_, sample_adjust_, greedy_tokens_.data());
+    } else {
       backend_.forward(batch_, logits_.data());
+    }
   } catch (const std::exception& e) {
     fail_batch(e.what());
     return;
@@ -317,7 +347,7 @@ void Scheduler::run_batch() {
   const float* row = logits_.data();
   const int32_t* token = greedy_tokens_.data();
   for (const Row& r : rows_) {
-    if (greedy) {
+    if (greedy || on_backend) {
       after_forward(*r.seq, r.n_fed, nullptr, r.logits ? *token++ : -1);
       continue;
     }

@@ -106,6 +106,8 @@ class Scheduler {
   void sample(Sequence& s, const float* logits);
   void emit(Sequence& s, TokenEvent ev);  // the sampled token: append, stream, finish
   bool greedy_step() const;
+  bool backend_sample_step() const;
+  void build_row_sampling();
   void register_full_blocks(Sequence& s);
   size_t events_per_wakeup() const;
   void finish(Sequence& s, TokenEvent last);
@@ -133,7 +135,9 @@ class Scheduler {
   };
   std::vector<Row> rows_;
   std::vector<float> logits_;
-  std::vector<int32_t> greedy_tokens_;  // forward_greedy's ids when every row of the step samples greedily
+  std::vector<int32_t> greedy_tokens_;  // the ids of forward_greedy / forward_sample
+  std::vector<RowSampling> sample_rows_;  // forward_sample's rows and adjustments (backend_sample_step)
+  std::vector<LogitAdjust> sample_adjust_;
   EngineStats stats_;
   std::deque<std::pair<double, uint64_t>> rate_window_;  // (time, generated tokens) per recent step
 };

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/cpu_features.h"
+#include "core/rng.h"
 #include "core/error.h"
 #include "kernels/cuda/cuda_api.h"
 #include "model/init.h"
@@ -282,7 +283,50 @@ void expect_greedy_matches_logits(Backend& b, const Batch& batch, size_t vocab) 
   for (size_t r = 0; r < ids.size(); ++r) EXPECT_EQ(ids[r], argmax(logits.data() + r * vocab, (int64_t)vocab)) << "row " << r;
 }
 
+// forward_sample against forward() and the host's sample_row on the same logits (tempered and greedy rows, with
+// a logit bias and a penalty).
+void expect_sampled_matches_logits(Backend& b, const Batch& batch, size_t vocab, uint32_t seed) {
+  const size_t n_rows = batch.n_logits();
+  std::vector<float> logits(n_rows * vocab), work;
+  b.forward(batch, logits.data());
+  Rng rng(seed);
+  std::vector<RowSampling> rows(n_rows);
+  std::vector<LogitAdjust> adjust;
+  for (size_t r = 0; r < n_rows; ++r) {
+    rows[r].temperature = r % 3 == 0 ? 0.0f : 0.7f + 0.3f * (float)r;
+    rows[r].u = rng.uniform_double();
+    rows[r].first = (int32_t)adjust.size();
+    adjust.push_back({(int32_t)(r * 97 % vocab), 4.0f, 0.0f, LogitAdjust::kBias});
+    adjust.push_back({(int32_t)(r * 389 % vocab + 1), 1.5f, 0.8f, LogitAdjust::kBias | LogitAdjust::kPenalty});
+    rows[r].n_adjust = 2;
+  }
+  std::vector<int32_t> ids(n_rows, -1);
+  b.forward_sample(batch, (int64_t)vocab, rows, adjust, ids.data());
+  for (size_t r = 0; r < n_rows; ++r)
+    EXPECT_EQ(ids[r], sample_row(logits.data() + r * vocab, (int64_t)vocab, rows[r], adjust.data(), work)) << "row " << r;
+}
+
 }  // namespace
+
+// forward_sample draws on the device and copies back ids only; the same tokens as sampling forward()'s logits on
+// the host with the same uniforms, eager and graph-replayed steps.
+TEST(CudaBackend, SampledIdsOnDeviceMatchHostSampling) {
+  REQUIRE_GPU();
+  for (DType t : {DType::Q4_0, DType::BF16}) {
+    SCOPED_TRACE(dtype_name(t));
+    auto m = Model::load(Models::get().path(t));
+    auto gpu = make_backend("cuda", *m, opts_with(3));
+    const size_t vocab = (size_t)m->config().vocab_size;
+    Batch prompt;
+    for (int i = 0; i < 40; ++i) prompt.add(7 + 131 * i, i, i % 3, i % 4 == 1);  // 40 > graph bucket: eager
+    expect_sampled_matches_logits(*gpu, prompt, vocab, 1);
+    for (int s = 0; s < 3; ++s) {  // decode steps of three sequences (graphs)
+      Batch d;
+      for (int q = 0; q < 3; ++q) d.add(300 + 11 * s + q, 14 + s, q, true);
+      expect_sampled_matches_logits(*gpu, d, vocab, 2 + s);
+    }
+  }
+}
 
 // forward_greedy runs the argmax on the device; it must pick what argmax() picks on the host from the same
 // logits (forward() then forward_greedy() on the same positions: the second overwrites the same K/V).

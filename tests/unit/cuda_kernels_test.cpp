@@ -1,6 +1,7 @@
 // CUDA kernels against the CPU scalar references on random data with awkward sizes: activation quantizers
 // (codes and scales bit-identical), RMSNorm and SwiGLU, embedding lookup (bit-identical for every weight
 // type), and the matrix products of every weight type for 1..70 tokens. Skips without a GPU.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -15,6 +16,7 @@
 #include "kernels/cuda/ops.h"
 #include "cuda_test_util.h"
 #include "quant_test_util.h"
+#include "runtime/row_sampling.h"
 #include "test_util.h"
 
 using namespace merlin;
@@ -446,7 +448,9 @@ TEST(CudaKernels, FusedPreparationMatchesSeparateKernels) {
         for (int n : {1, 3, 8}) {
           SCOPED_TRACE(std::string(dtype_name(t)) + " mode " + std::to_string(mode) + " tokens " + std::to_string(n) +
                        " k " + std::to_string(k));
-          if (n * k > 8192) EXPECT_FALSE(cu::prep_fuses(m, n));  // matmul_prep then runs the two kernels
+          if (n * k > 8192) {
+            EXPECT_FALSE(cu::prep_fuses(m, n));  // matmul_prep then runs the two kernels
+          }
           const std::vector<float> ones((size_t)n * rows, 1.0f);
           DevFloats y_sep(ones), y_fused(ones);
           cu::prep_act(modes[mode], n, a, nullptr);
@@ -494,6 +498,54 @@ TEST(CudaKernels, ArgmaxRowsMatchesHostFirstMaximum) {
         if (h[(size_t)(r * ld + i)] > h[(size_t)(r * ld + best)]) best = i;
       EXPECT_EQ(got[r], best) << "row " << r;
     }
+  }
+}
+
+// Sampling on the device (sample_rows) against runtime's sample_row on the host for the same logits and
+// uniforms: greedy and tempered rows, biases and penalties (entries of other rows in between, ids outside the
+// row ignored), rows shorter than the CTA and the GPT-2 vocabulary, uniforms near 0 and 1.
+TEST(CudaKernels, SampleRowsMatchesHostSampleRow) {
+  REQUIRE_GPU();
+  std::mt19937 gen(3);
+  std::uniform_real_distribution<double> uni(0.0, 1.0);
+  for (int64_t n : {37, 1025, 50257}) {
+    SCOPED_TRACE(n);
+    const int rows = 24;
+    const int64_t ld = n + 5;
+    std::vector<float> h = gaussian((size_t)rows * ld, (uint32_t)n, 3.0f);
+    std::vector<RowSampling> spec(rows);
+    std::vector<LogitAdjust> adjust;
+    const float temps[] = {0.0f, 0.5f, 0.8f, 1.0f, 1.0f, 1.6f};
+    for (int r = 0; r < rows; ++r) {
+      spec[r].temperature = temps[r % 6];
+      spec[r].u = r == 1 ? 0.0 : r == 2 ? 0.999999999 : uni(gen);
+      spec[r].first = (int32_t)adjust.size();
+      for (int a = 0; a < r % 5 * 7; ++a) {
+        LogitAdjust e;
+        e.token = a == 3 ? (int32_t)(n + 9) : (int32_t)((a * 7919 + r) % n);
+        e.flags = 1 + a % 3;
+        e.bias = (float)(a % 2 ? 5.5 : -2.25);
+        e.penalty = 0.3f * (float)(a % 4);
+        if (std::any_of(adjust.begin() + spec[r].first, adjust.end(),
+                        [&](const LogitAdjust& x) { return x.token == e.token; }))
+          continue;  // one entry per token, as RequestSampler builds them
+        adjust.push_back(e);
+      }
+      spec[r].n_adjust = (int32_t)adjust.size() - spec[r].first;
+    }
+    DevFloats d_logits(h);
+    auto* d_spec = test::upload(spec);
+    auto* d_adj = adjust.empty() ? nullptr : test::upload(adjust);
+    auto* d_out = static_cast<int32_t*>(cu::dev_alloc(rows * sizeof(int32_t)));
+    cu::sample_rows(d_logits.p, ld, rows, n, d_spec, d_adj, d_out, nullptr);
+    cu::sync_device();
+    std::vector<int32_t> got(rows);
+    cu::copy_to_host(got.data(), d_out, rows * sizeof(int32_t));
+    std::vector<float> work;
+    for (int r = 0; r < rows; ++r)
+      EXPECT_EQ(got[r], sample_row(h.data() + (size_t)r * ld, n, spec[r], adjust.data(), work))
+          << "row " << r << " temperature " << spec[r].temperature << " u " << spec[r].u;
+    for (void* p : {static_cast<void*>(d_spec), static_cast<void*>(d_adj), static_cast<void*>(d_out)}) cu::dev_free(p);
   }
 }
 

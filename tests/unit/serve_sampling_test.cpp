@@ -8,6 +8,7 @@
 #include <set>
 
 #include "core/rng.h"
+#include "runtime/row_sampling.h"
 #include "runtime/sampler.h"
 #include "serve/sampling.h"
 #include "test_util.h"
@@ -178,6 +179,38 @@ TEST(RequestSampler, LogitBias) {
   b.accept(0);  // 4.5 against 4.8
   EXPECT_EQ(b.sample(l.data(), 4), 1);
   EXPECT_EQ(l[0], 5.0f);
+}
+
+// The backend path (row_sampling + runtime's sample_row, what Backend::forward_sample computes) picks the token
+// sample() picks from the same logits, step after step, and leaves the RNG where sample() leaves it: greedy and
+// tempered rows, with biases and penalties on the same and on different tokens, over a long row.
+TEST(RequestSampler, RowSamplingMatchesSample) {
+  Rng rng(17);
+  const int64_t vocab = 5000;
+  std::vector<float> row((size_t)vocab), work;
+  for (float temperature : {0.0f, 0.6f, 1.0f, 1.7f}) {
+    SamplingParams p = params(temperature);
+    p.presence_penalty = 0.7f;
+    p.frequency_penalty = 0.45f;
+    p.logit_bias = {{3, 2.5f}, {4999, -1.25f}, {7, 30.0f}};
+    RequestSampler host(p, 99), backend(p, 99);
+    ASSERT_TRUE(backend.backend_samplable());
+    for (int step = 0; step < 60; ++step) {
+      for (float& v : row) v = 3.0f * rng.normal();
+      row[(size_t)(step % 11)] += 4.0f;  // a few tokens come back, so penalties pile up on them
+      std::vector<LogitAdjust> adjust = {{1234, 5.0f, 0.0f, LogitAdjust::kBias}};  // another row's entry first
+      const RowSampling r = backend.row_sampling(adjust);
+      EXPECT_EQ(r.first, 1);
+      const int32_t want = host.sample(row.data(), vocab);
+      const int32_t got = sample_row(row.data(), vocab, r, adjust.data(), work);
+      ASSERT_EQ(got, want) << "temperature " << temperature << " step " << step;
+      host.accept(want);
+      backend.accept(got);
+    }
+  }
+  EXPECT_FALSE(RequestSampler(params(1.0f, 40), 1).backend_samplable());
+  EXPECT_FALSE(RequestSampler(params(1.0f, 0, 0.9f), 1).backend_samplable());
+  EXPECT_FALSE(RequestSampler(params(1.0f, 0, 1.0f, 0.05f), 1).backend_samplable());
 }
 
 TEST(TokenLogprob, IsTheLogSoftmax) {

@@ -90,6 +90,8 @@ class CudaBackend final : public Backend {
   int n_seq() const override { return n_seq_; }
   void forward(const Batch& batch, float* logits) override;
   void forward_greedy(const Batch& batch, int64_t n_vocab, int32_t* tokens) override;
+  void forward_sample(const Batch& batch, int64_t n_vocab, std::span<const RowSampling> rows,
+                      std::span<const LogitAdjust> adjust, int32_t* tokens) override;
   void clear_sequence(int seq) override {
     MERLIN_CHECK(seq >= 0 && seq < n_seq_, "sequence ", seq, " out of range");  // cached rows are overwritten
   }
@@ -107,8 +109,10 @@ class CudaBackend final : public Backend {
     void* v = nullptr;
   };
 
-  // What a step returns: logits rows, or only the argmax id of each row (greedy).
-  enum class Output : int { Logits = 0, GreedyIds = 1 };
+  // What a step returns: logits rows, only the argmax id of each row (greedy), or nothing yet (the logits stay
+  // on the device for sample_rows, queued after the step by run_step).
+  enum class Output : int { Logits = 0, GreedyIds = 1, DeviceLogits = 2 };
+  void queue_sampling(int n_out);
   void validate(const Batch& batch) const;
   int run_step(const Batch& batch, Output out);
   void enqueue(int n, int n_out, Output out);
@@ -154,8 +158,16 @@ class CudaBackend final : public Backend {
   int32_t* h_in_ = nullptr;  // [4][max_batch]: tokens, pos, seq, logits rows
   int32_t* d_in_ = nullptr;
   float* h_logits_ = nullptr;
-  int32_t* h_ids_ = nullptr;  // [max_batch] greedy ids (pinned)
+  int32_t* h_ids_ = nullptr;  // [max_batch] greedy or sampled ids (pinned)
   int32_t* d_ids_ = nullptr;
+  // forward_sample's rows ([max_batch], pinned and device) and adjustments (grown between steps: the sampling
+  // kernel runs after the step's graph, so its buffers may move).
+  RowSampling* h_rows_ = nullptr;
+  RowSampling* d_rows_ = nullptr;
+  LogitAdjust* h_adjust_ = nullptr;
+  LogitAdjust* d_adjust_ = nullptr;
+  size_t adjust_cap_ = 0;
+  size_t n_adjust_ = 0;  // entries of this step
   float *x_ = nullptr, *qkv_ = nullptr, *att_ = nullptr, *gu_ = nullptr, *logits_ = nullptr;
   std::vector<ActBuf> acts_;
   std::map<std::tuple<int, int, int>, cudaGraphExec_t> graphs_by_shape_;  // (tokens, logits rows, Output)
@@ -240,6 +252,8 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   MERLIN_CUDA_CHECK(cudaMallocHost(&h_in_, 4 * B * sizeof(int32_t)));
   MERLIN_CUDA_CHECK(cudaMallocHost(&h_logits_, B * c_.vocab_size * sizeof(float)));
   MERLIN_CUDA_CHECK(cudaMallocHost(&h_ids_, B * sizeof(int32_t)));
+  MERLIN_CUDA_CHECK(cudaMallocHost(&h_rows_, B * sizeof(RowSampling)));
+  d_rows_ = static_cast<RowSampling*>(cuda::dev_alloc(B * sizeof(RowSampling)));
   MERLIN_CUDA_CHECK(cudaMallocHost(&h_tiles_, B * sizeof(cuda::AttnTile)));
   d_tiles_ = static_cast<cuda::AttnTile*>(cuda::dev_alloc(B * sizeof(cuda::AttnTile)));
   d_in_ = dev_array<int32_t>(4 * B);
@@ -289,6 +303,10 @@ CudaBackend::~CudaBackend() {
   cudaFreeHost(h_in_);
   cudaFreeHost(h_logits_);
   cudaFreeHost(h_ids_);
+  cudaFreeHost(h_rows_);
+  cudaFreeHost(h_adjust_);
+  cuda::dev_free(d_rows_);
+  cuda::dev_free(d_adjust_);
   cudaFreeHost(h_tiles_);
   cuda::dev_free(d_tiles_);
   cuda::attention_scratch_free(attn_scratch_);
@@ -472,7 +490,7 @@ void CudaBackend::enqueue(int n, int n_out, Output out) {
     if (out == Output::GreedyIds) {
       cuda::argmax_rows(logits_, c_.vocab_size, n_out, c_.vocab_size, d_ids_, stream_);
       MERLIN_CUDA_CHECK(cudaMemcpyAsync(h_ids_, d_ids_, (size_t)n_out * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
-    } else {
+    } else if (out == Output::Logits) {
       MERLIN_CUDA_CHECK(cudaMemcpyAsync(h_logits_, logits_, (size_t)n_out * c_.vocab_size * sizeof(float),
                                         cudaMemcpyDeviceToHost, stream_));
     }
@@ -482,6 +500,46 @@ void CudaBackend::enqueue(int n, int n_out, Output out) {
 void CudaBackend::forward(const Batch& batch, float* logits) {
   const int n_out = run_step(batch, Output::Logits);
   if (n_out > 0) std::memcpy(logits, h_logits_, (size_t)n_out * c_.vocab_size * sizeof(float));
+}
+
+void CudaBackend::forward_sample(const Batch& batch, int64_t n_vocab, std::span<const RowSampling> rows,
+                                 std::span<const LogitAdjust> adjust, int32_t* tokens) {
+  MERLIN_CHECK(n_vocab == c_.vocab_size, "forward_sample: vocabulary of ", n_vocab, " tokens, the model has ",
+               c_.vocab_size);
+  MERLIN_CHECK(rows.size() == batch.n_logits(), "forward_sample: ", rows.size(), " sampling rows for ",
+               batch.n_logits(), " logits rows");
+  for (const RowSampling& r : rows)
+    MERLIN_CHECK(r.first >= 0 && r.n_adjust >= 0 && (size_t)r.first + (size_t)r.n_adjust <= adjust.size(),
+                 "forward_sample: a row's adjustments lie outside the list");
+  if (adjust.size() > adjust_cap_) {  // between steps: nothing captured refers to these buffers
+    const size_t cap = std::max(adjust.size(), 2 * adjust_cap_);
+    MERLIN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    cudaFreeHost(h_adjust_);
+    cuda::dev_free(d_adjust_);
+    h_adjust_ = nullptr;
+    d_adjust_ = nullptr;
+    adjust_cap_ = 0;
+    MERLIN_CUDA_CHECK(cudaMallocHost(&h_adjust_, cap * sizeof(LogitAdjust)));
+    d_adjust_ = static_cast<LogitAdjust*>(cuda::dev_alloc(cap * sizeof(LogitAdjust)));
+    adjust_cap_ = cap;
+  }
+  if (!rows.empty()) std::memcpy(h_rows_, rows.data(), rows.size() * sizeof(RowSampling));
+  if (!adjust.empty()) std::memcpy(h_adjust_, adjust.data(), adjust.size() * sizeof(LogitAdjust));
+  n_adjust_ = adjust.size();
+  const int n_out = run_step(batch, Output::DeviceLogits);
+  std::memcpy(tokens, h_ids_, (size_t)n_out * sizeof(int32_t));
+}
+
+// After a DeviceLogits step: the rows' sampling on the device, and only the ids come back.
+void CudaBackend::queue_sampling(int n_out) {
+  if (n_out <= 0) return;
+  MERLIN_CUDA_CHECK(
+      cudaMemcpyAsync(d_rows_, h_rows_, (size_t)n_out * sizeof(RowSampling), cudaMemcpyHostToDevice, stream_));
+  if (n_adjust_ > 0)
+    MERLIN_CUDA_CHECK(
+        cudaMemcpyAsync(d_adjust_, h_adjust_, n_adjust_ * sizeof(LogitAdjust), cudaMemcpyHostToDevice, stream_));
+  cuda::sample_rows(logits_, c_.vocab_size, n_out, c_.vocab_size, d_rows_, d_adjust_, d_ids_, stream_);
+  MERLIN_CUDA_CHECK(cudaMemcpyAsync(h_ids_, d_ids_, (size_t)n_out * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
 }
 
 void CudaBackend::forward_greedy(const Batch& batch, int64_t n_vocab, int32_t* tokens) {
@@ -533,6 +591,7 @@ int CudaBackend::run_step(const Batch& batch, Output out) {
   } else {
     enqueue(n, n_out, out);
   }
+  if (out == Output::DeviceLogits) queue_sampling(n_out);
   MERLIN_CUDA_CHECK(cudaStreamSynchronize(stream_));
   return n_out;
 }

@@ -16,6 +16,7 @@
 #include <string>
 
 #include "core/dtype.h"
+#include "runtime/row_sampling.h"
 
 struct CUstream_st;
 
@@ -215,6 +216,11 @@ void flash_attention(const float* d_qkv, int64_t ld, const AttnTile* d_tiles, in
 // d_out[r] = index of the largest of the n values of row r (rows ld floats apart), the lowest index on ties:
 // what argmax() in runtime/sampler.h returns for the same row.
 void argmax_rows(const float* d_logits, int64_t ld, int n_rows, int64_t n, int32_t* d_out, Stream stream);
+// sample_row (runtime/row_sampling.h) for each of n_rows rows (ld floats apart, n values) with d_rows[r] and
+// its entries of d_adjust: d_out[r] = the token. The adjustments are applied to the rows in place. Launched
+// without programmatic dependent launch (it follows a graph replay).
+void sample_rows(float* d_logits, int64_t ld, int n_rows, int64_t n, const RowSampling* d_rows,
+                 const LogitAdjust* d_adjust, int32_t* d_out, Stream stream);
 
 void check_launch(const char* what);  // throws merlin::Error if the last launch failed
 

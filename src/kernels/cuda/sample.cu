@@ -1,5 +1,6 @@
-// Greedy sampling on the device: the index of each logits row's maximum, so a decode step copies back one
-// int32 per sequence instead of a row of vocab_size floats.
+// Sampling on the device: the index of each logits row's maximum (greedy), and sample_row's draw with biases
+// and penalties (sample_rows), so a decode step copies back one int32 per sequence instead of a row of
+// vocab_size floats.
 #include <climits>
 
 #include "kernels/cuda/common.cuh"
@@ -46,7 +47,115 @@ __global__ void argmax_rows_kernel(const float* __restrict__ logits, int64_t ld,
   }
 }
 
+// The row's first largest value (argmax_rows_kernel's loop and reductions); every thread gets the index.
+__device__ int block_argmax(const float* row, int64_t n) {
+  Best b{-INFINITY, INT_MAX};
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) b = better(b, Best{row[i], (int)i});
+  b = warp_best(b);
+  __shared__ Best warps[kThreads / 32];
+  __shared__ int result;
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) warps[w] = b;
+  __syncthreads();
+  if (w == 0) {
+    b = warp_best(warps[lane]);
+    if (lane == 0) result = b.i == INT_MAX ? 0 : b.i;
+  }
+  __syncthreads();
+  return result;
+}
+
+__device__ float block_max(float v) {
+  __shared__ float warps[kThreads / 32];
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) warps[w] = v;
+  __syncthreads();
+  v = warps[lane];
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;  // the barrier of the next block reduction keeps warps[] from being overwritten early
+}
+
+// Exclusive prefix sum of v over the CTA's threads in thread order, and the total (fixed order: deterministic).
+__device__ double block_exclusive_scan(double v, double* total) {
+  __shared__ double warps[kThreads / 32];
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  double incl = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const double up = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += up;
+  }
+  if (lane == 31) warps[w] = incl;
+  __syncthreads();
+  if (w == 0) {
+    double t = warps[lane], ti = t;
+    for (int o = 1; o < 32; o <<= 1) {
+      const double up = __shfl_up_sync(0xffffffffu, ti, o);
+      if (lane >= o) ti += up;
+    }
+    warps[lane] = ti - t;  // exclusive prefix of the warp totals
+    if (lane == 31) *total = ti;
+  }
+  __syncthreads();
+  return warps[w] + (incl - v);
+}
+
+// One CTA per row: sample_row (runtime/row_sampling.h) on the device. The adjustments are applied to the
+// row in place. The draw gives each thread a contiguous slice of the row: the slices' weight sums, scanned
+// in thread order, say which slice holds u * total, and that thread walks its slice like the host loop.
+__global__ void __launch_bounds__(kThreads) sample_rows_kernel(float* __restrict__ logits, int64_t ld, int64_t n,
+                                                             const RowSampling* __restrict__ rows,
+                                                             const LogitAdjust* __restrict__ adjust,
+                                                             int32_t* __restrict__ out) {
+  float* row = logits + (int64_t)blockIdx.x * ld;
+  const RowSampling rs = rows[blockIdx.x];
+  for (int a = threadIdx.x; a < rs.n_adjust; a += kThreads) {  // one entry per token: no two threads collide
+    const LogitAdjust e = adjust[rs.first + a];
+    if (e.token < 0 || e.token >= n) continue;
+    float l = row[e.token];
+    if (e.flags & LogitAdjust::kBias) l = __fadd_rn(l, e.bias);
+    if (e.flags & LogitAdjust::kPenalty) l = __fsub_rn(l, e.penalty);
+    row[e.token] = l;
+  }
+  __syncthreads();  // also orders the adjusted logits (global memory) before the reads below
+  if (rs.temperature <= 0) {
+    const int best = block_argmax(row, n);
+    if (threadIdx.x == 0) out[blockIdx.x] = best;
+    return;
+  }
+  float m = -INFINITY;
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) m = fmaxf(m, row[i]);
+  m = block_max(m);
+  const double inv_t = 1.0 / (double)rs.temperature;
+  const int64_t per = (n + kThreads - 1) / kThreads, b = min(n, (int64_t)threadIdx.x * per), e = min(n, b + per);
+  double s = 0;
+  for (int64_t i = b; i < e; ++i) s += exp((double)(row[i] - m) * inv_t);
+  __shared__ double total;
+  __shared__ int32_t pick;
+  if (threadIdx.x == 0) pick = (int32_t)(n - 1);  // the host loop's answer when rounding leaves r >= 0
+  const double prefix = block_exclusive_scan(s, &total);
+  const double r = rs.u * total;
+  if (b < e && r >= prefix && r < prefix + s) {
+    double left = r - prefix;
+    int64_t i = b;
+    for (; i < e - 1; ++i) {
+      left -= exp((double)(row[i] - m) * inv_t);
+      if (left < 0) break;
+    }
+    pick = (int32_t)i;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) out[blockIdx.x] = pick;
+}
+
 }  // namespace
+
+void sample_rows(float* d_logits, int64_t ld, int n_rows, int64_t n, const RowSampling* d_rows,
+                 const LogitAdjust* d_adjust, int32_t* d_out, Stream stream) {
+  if (n_rows <= 0) return;
+  sample_rows_kernel<<<n_rows, kThreads, 0, stream>>>(d_logits, ld, n, d_rows, d_adjust, d_out);
+  check_launch("sample_rows");
+}
 
 void argmax_rows(const float* d_logits, int64_t ld, int n_rows, int64_t n, int32_t* d_out, Stream stream) {
   if (n_rows <= 0) return;
