@@ -161,6 +161,9 @@ TEST(OpenAIRequest, AllSamplingFields) {
   // keys in the order nlohmann::json keeps them (sorted as strings)
   EXPECT_EQ(p.sampling.logit_bias, (std::vector<std::pair<int32_t, float>>{{50256, -100.0f}, {7, 2.5f}}));
   EXPECT_TRUE(parse(R"({"prompt": "x", "logit_bias": null})").sampling.logit_bias.empty());
+  // Two keys naming one token ("5", "05"): one entry, the biases added.
+  EXPECT_EQ(parse(R"({"prompt": "x", "logit_bias": {"5": 1.5, "05": 2, "6": 1}})").sampling.logit_bias,
+            (std::vector<std::pair<int32_t, float>>{{5, 3.5f}, {6, 1.0f}}));
 }
 
 TEST(OpenAIRequest, PromptForms) {
