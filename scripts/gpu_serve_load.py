@@ -5,6 +5,7 @@ R requests are done; each generates exactly N tokens (ignore_eos) at the given t
 line: aggregate generated tokens/s over the wall time and the per-request latency p50 / p99.
 
   python3 scripts/gpu_serve_load.py URL -c CLIENTS [-r REQUESTS] [-n MAX_TOKENS] [-t TEMPERATURE]
+                                    [--top-k K] [--top-p P] [--min-p P]
 """
 import argparse
 import json
@@ -20,6 +21,9 @@ def main():
     ap.add_argument("-r", type=int, default=0)
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("-t", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--min-p", type=float, default=0.0)
     a = ap.parse_args()
     total = a.r or max(8, 2 * a.c)
     lock = threading.Lock()
@@ -34,7 +38,8 @@ def main():
                     return
                 state["next"] += 1
             body = json.dumps({"prompt": f"Story {i}: once upon a time", "max_tokens": a.n, "temperature": a.t,
-                               "ignore_eos": True, "seed": i}).encode()
+                               "top_k": a.top_k, "top_p": a.top_p, "min_p": a.min_p, "ignore_eos": True,
+                               "seed": i}).encode()
             req = urllib.request.Request(a.url.rstrip("/") + "/v1/completions", body,
                                          {"Content-Type": "application/json"})
             t0 = time.perf_counter()
@@ -58,7 +63,8 @@ def main():
     wall = time.perf_counter() - t0
     latencies.sort()
     pct = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))]
-    print(json.dumps({"clients": a.c, "requests": total, "temperature": a.t, "max_tokens": a.n,
+    print(json.dumps({"clients": a.c, "requests": total, "temperature": a.t, "top_k": a.top_k, "top_p": a.top_p,
+                      "min_p": a.min_p, "max_tokens": a.n,
                       "tokens": state["tokens"], "errors": state["errors"], "seconds": round(wall, 3),
                       "tokens_per_s": round(state["tokens"] / wall, 1), "latency_p50_s": round(pct(0.5), 3),
                       "latency_p99_s": round(pct(0.99), 3)}))

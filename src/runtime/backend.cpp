@@ -17,7 +17,8 @@ void Backend::forward_sample(const Batch& batch, int64_t n_vocab, std::span<cons
                              std::span<const LogitAdjust> adjust, int32_t* tokens) {
   const size_t n_rows = batch.n_logits();
   MERLIN_CHECK(rows.size() == n_rows, "forward_sample: ", rows.size(), " sampling rows for ", n_rows, " logits rows");
-  std::vector<float> logits(n_rows * (size_t)n_vocab), work;
+  std::vector<float> logits(n_rows * (size_t)n_vocab);
+  SampleScratch work;
   forward(batch, logits.data());
   for (size_t r = 0; r < n_rows; ++r)
     tokens[r] = sample_row(logits.data() + r * (size_t)n_vocab, n_vocab, rows[r], adjust.data(), work);

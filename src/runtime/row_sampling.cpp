@@ -6,38 +6,100 @@
 #include "runtime/sampler.h"
 
 namespace merlin {
+namespace {
 
-int32_t sample_row(const float* logits, int64_t n_vocab, const RowSampling& r, const LogitAdjust* adjust,
-                   std::vector<float>& work) {
-  const float* row = logits;
-  if (r.n_adjust > 0) {
-    work.assign(logits, logits + n_vocab);
-    for (const LogitAdjust* a = adjust + r.first; a != adjust + r.first + r.n_adjust; ++a) {
-      if (a->token < 0 || a->token >= n_vocab) continue;
-      float l = work[(size_t)a->token];
-      if (a->flags & LogitAdjust::kBias) l += a->bias;
-      if (a->flags & LogitAdjust::kPenalty) l -= a->penalty;
-      work[(size_t)a->token] = l;
-    }
-    row = work.data();
-  }
-  if (r.temperature <= 0) return argmax(row, n_vocab);
-  thread_local std::vector<double> weights;
-  return draw_row(row, n_vocab, *std::max_element(row, row + n_vocab), r.temperature, r.u, weights);
+using Candidate = std::pair<int32_t, float>;  // id, logit
+
+bool better(const Candidate& a, const Candidate& b) {
+  return a.second > b.second || (a.second == b.second && a.first < b.first);
 }
 
-int32_t draw_row(const float* logits, int64_t n_vocab, float max_logit, float temperature, double u,
-                 std::vector<double>& weights) {
-  const double inv_t = 1.0 / temperature;
-  weights.resize((size_t)n_vocab);
-  double sum = 0;
-  for (int64_t i = 0; i < n_vocab; ++i) sum += weights[(size_t)i] = std::exp((double)(logits[i] - max_logit) * inv_t);
-  double r = u * sum;
-  for (int64_t i = 0; i < n_vocab; ++i) {
-    r -= weights[(size_t)i];
-    if (r < 0) return (int32_t)i;
+// cand = the n best tokens, sorted.
+void sort_best(const float* logits, int64_t n_vocab, size_t n, std::vector<Candidate>& cand) {
+  cand.resize((size_t)n_vocab);
+  for (int64_t i = 0; i < n_vocab; ++i) cand[(size_t)i] = {(int32_t)i, logits[i]};
+  n = std::min(n, cand.size());
+  std::partial_sort(cand.begin(), cand.begin() + (std::ptrdiff_t)n, cand.end(), better);
+  cand.resize(n);
+}
+
+// How many of the best candidates survive top-k, then top-p, then min-p, with probabilities at temperature 1
+// over the top-k set. Leaves at least that many sorted in cand. Never sorts the whole vocabulary (a 50K-entry
+// sort per token and request would dominate a 32-request step): only the few best the filters can keep.
+size_t nucleus(const float* logits, int64_t n_vocab, float max_logit, const RowSampling& r,
+               std::vector<Candidate>& cand) {
+  const bool top_k_on = r.top_k > 0 && r.top_k < n_vocab;
+  const size_t k = top_k_on ? (size_t)r.top_k : (size_t)n_vocab;
+  double total = 0;  // the normaliser over the top-k set
+  if (top_k_on) {
+    sort_best(logits, n_vocab, k, cand);
+    for (const Candidate& c : cand) total += std::exp((double)(c.second - max_logit));
+  } else if (r.top_p < 1.0f) {
+    for (int64_t i = 0; i < n_vocab; ++i) total += std::exp((double)(logits[i] - max_logit));
   }
-  return (int32_t)(n_vocab - 1);
+  // min-p keeps the candidates with p >= min_p * p_max: a count, no sort needed.
+  size_t bound = k;
+  if (r.min_p > 0) {
+    size_t n = 0;
+    for (int64_t i = 0; i < n_vocab; ++i) n += std::exp((double)(logits[i] - max_logit)) >= r.min_p;
+    bound = std::min(bound, std::max<size_t>(n, 1));
+  }
+  if (r.top_p >= 1.0f) {
+    if (!top_k_on) sort_best(logits, n_vocab, bound, cand);
+    return bound;
+  }
+  // The top-p prefix: sort the best 64, then 512, ... until the cumulative probability reaches top_p.
+  for (size_t n = std::min<size_t>(bound, 64);; n = std::min(bound, n * 8)) {
+    if (!top_k_on) sort_best(logits, n_vocab, n, cand);
+    double cum = 0;
+    for (size_t i = 0; i < n; ++i) {
+      cum += std::exp((double)(cand[i].second - max_logit)) / total;
+      if (cum >= r.top_p) return i + 1;
+    }
+    if (n == bound) return bound;
+  }
+}
+
+// Draws from the first n_kept candidates of cand (or the whole row, in id order, when n_kept == 0) with
+// weights exp((logit - max) / temperature).
+int32_t draw(const float* logits, int64_t n_vocab, float max_logit, const RowSampling& r, size_t n_kept,
+             SampleScratch& s) {
+  const double inv_t = 1.0 / r.temperature;
+  const size_t n = n_kept ? n_kept : (size_t)n_vocab;
+  s.weights.resize(n);
+  double sum = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const float l = n_kept ? s.cand[i].second : logits[i];
+    sum += s.weights[i] = std::exp((double)(l - max_logit) * inv_t);
+  }
+  double left = r.u * sum;
+  for (size_t i = 0; i < n; ++i) {
+    left -= s.weights[i];
+    if (left < 0) return n_kept ? s.cand[i].first : (int32_t)i;
+  }
+  return n_kept ? s.cand[n - 1].first : (int32_t)(n - 1);
+}
+
+}  // namespace
+
+int32_t sample_row(const float* logits, int64_t n_vocab, const RowSampling& r, const LogitAdjust* adjust,
+                   SampleScratch& s) {
+  const float* row = logits;
+  if (r.n_adjust > 0) {
+    s.work.assign(logits, logits + n_vocab);
+    for (const LogitAdjust* a = adjust + r.first; a != adjust + r.first + r.n_adjust; ++a) {
+      if (a->token < 0 || a->token >= n_vocab) continue;
+      float l = s.work[(size_t)a->token];
+      if (a->flags & LogitAdjust::kBias) l += a->bias;
+      if (a->flags & LogitAdjust::kPenalty) l -= a->penalty;
+      s.work[(size_t)a->token] = l;
+    }
+    row = s.work.data();
+  }
+  if (r.temperature <= 0) return argmax(row, n_vocab);
+  const float max_logit = *std::max_element(row, row + n_vocab);
+  if (!r.filtered()) return draw(row, n_vocab, max_logit, r, 0, s);  // the whole vocabulary, in id order
+  return draw(row, n_vocab, max_logit, r, std::max<size_t>(1, nucleus(row, n_vocab, max_logit, r, s.cand)), s);
 }
 
 }  // namespace merlin

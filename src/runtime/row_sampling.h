@@ -1,9 +1,11 @@
 // Sampling a logits row where the logits are (Backend::forward_sample): a few adjustments, then the argmax
-// or one draw over the whole vocabulary. The server sends what its request samplers decided (biases,
-// penalties, the draw's uniform) and gets token ids back, so a GPU copies 4 bytes per sequence instead of a
-// row of vocab_size floats. sample_row is the host definition every backend must match.
+// or one draw, over the whole vocabulary or over the candidates that top-k, top-p and min-p keep. The server
+// sends what its request samplers decided (biases, penalties, filters, the draw's uniform) and gets token
+// ids back, so a GPU copies 4 bytes per sequence instead of a row of vocab_size floats. sample_row is the
+// host definition every backend must match.
 #pragma once
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace merlin {
@@ -18,25 +20,35 @@ struct LogitAdjust {
   int32_t flags = 0;
 };
 
-// A row's sampling: its adjustments are adjust[first, first + n_adjust) of the step's list. temperature <= 0
-// takes the first index of the largest adjusted logit (argmax() in sampler.h); otherwise the token is the
-// first i (in id order) at which u * sum_j w_j - (w_0 + ... + w_i) < 0, w_j = exp((l_j - max l) / temperature)
-// in double: a draw from softmax(l / temperature) with the uniform u in [0, 1).
+// A row's sampling; its adjustments are adjust[first, first + n_adjust) of the step's list. On the adjusted
+// logits l: temperature <= 0 takes the first index of the largest (argmax() in sampler.h). Otherwise, with
+// no filter, the token is the first i (in id order) at which u * sum_j w_j - (w_0 + ... + w_i) < 0,
+// w_j = exp((l_j - max l) / temperature) in double: a draw from softmax(l / temperature) with the uniform
+// u in [0, 1). With filters (top_k > 0, top_p < 1 or min_p > 0) the candidates are the best tokens (logit
+// descending, then id) that survive top-k, then top-p, then min-p, with probabilities at temperature 1 over
+// the top-k set (llama.cpp's chain), and the same draw runs over them in that order.
 struct RowSampling {
   float temperature = 0.0f;
+  int32_t top_k = 0;     // <= 0: off
+  float top_p = 1.0f;    // >= 1: off
+  float min_p = 0.0f;    // <= 0: off
   int32_t first = 0;
   int32_t n_adjust = 0;
-  int32_t pad = 0;
   double u = 0.0;
+
+  bool filtered() const { return top_k > 0 || top_p < 1.0f || min_p > 0; }
 };
 
-// The host definition of RowSampling: adjust is the step's whole list (work: scratch for the adjusted row).
-// (Plain pointers: the CUDA sources, compiled as C++17, include this header.)
-int32_t sample_row(const float* logits, int64_t n_vocab, const RowSampling& r, const LogitAdjust* adjust,
-                   std::vector<float>& work);
+// Scratch reused between calls of sample_row.
+struct SampleScratch {
+  std::vector<float> work;                         // the adjusted row
+  std::vector<std::pair<int32_t, float>> cand;     // the best candidates, sorted
+  std::vector<double> weights;
+};
 
-// The draw of RowSampling over a row whose largest value is max_logit.
-int32_t draw_row(const float* logits, int64_t n_vocab, float max_logit, float temperature, double u,
-                 std::vector<double>& weights);
+// The host definition of RowSampling: adjust is the step's whole list. (Plain pointers: the CUDA sources,
+// compiled as C++17, include this header.)
+int32_t sample_row(const float* logits, int64_t n_vocab, const RowSampling& r, const LogitAdjust* adjust,
+                   SampleScratch& scratch);
 
 }  // namespace merlin

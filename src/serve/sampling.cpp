@@ -62,13 +62,12 @@ RequestSampler::RequestSampler(const SamplingParams& params, uint64_t seed) : pa
 
 void RequestSampler::accept(int32_t token) { ++counts_[token]; }
 
-bool RequestSampler::backend_samplable() const {
-  return params_.top_k <= 0 && params_.top_p >= 1.0f && params_.min_p <= 0;
-}
-
 RowSampling RequestSampler::row_sampling(std::vector<LogitAdjust>& adjust) {
   RowSampling r;
   r.temperature = params_.temperature;
+  r.top_k = params_.top_k;
+  r.top_p = params_.top_p;
+  r.min_p = params_.min_p;
   r.first = (int32_t)adjust.size();
   for (const auto& [token, bias] : params_.logit_bias) adjust.push_back({token, bias, 0.0f, LogitAdjust::kBias});
   const bool penalised = !counts_.empty() && (params_.presence_penalty != 0 || params_.frequency_penalty != 0);
@@ -85,92 +84,14 @@ RowSampling RequestSampler::row_sampling(std::vector<LogitAdjust>& adjust) {
     }
   }
   r.n_adjust = (int32_t)adjust.size() - r.first;
-  if (params_.temperature > 0) r.u = rng_.uniform_double();
+  if (params_.temperature > 0) r.u = rng_.uniform_double();  // the draw's one uniform (greedy draws none)
   return r;
 }
 
 int32_t RequestSampler::sample(const float* logits, int64_t n_vocab) {
-  const float* row = logits;
-  const bool penalised = !counts_.empty() && (params_.presence_penalty != 0 || params_.frequency_penalty != 0);
-  if (penalised || !params_.logit_bias.empty()) {
-    work_.assign(logits, logits + n_vocab);
-    for (const auto& [token, bias] : params_.logit_bias)
-      if (token >= 0 && token < n_vocab) work_[(size_t)token] += bias;
-    for (const auto& [token, count] : counts_) {
-      if (!penalised || token < 0 || token >= n_vocab) continue;
-      work_[(size_t)token] -= params_.presence_penalty + params_.frequency_penalty * (float)count;
-    }
-    row = work_.data();
-  }
-  if (params_.temperature <= 0) return greedy_token(row, n_vocab);
-  const float max_logit = *std::max_element(row, row + n_vocab);
-  const bool filtered = params_.top_k > 0 || params_.top_p < 1.0f || params_.min_p > 0;
-  if (!filtered) return draw(row, n_vocab, max_logit, 0);  // the whole vocabulary, in id order
-  return draw(row, n_vocab, max_logit, std::max<size_t>(1, nucleus(row, n_vocab, max_logit)));
-}
-
-// cand_ = the n best tokens, sorted.
-void RequestSampler::sort_best(const float* logits, int64_t n_vocab, size_t n) {
-  cand_.resize((size_t)n_vocab);
-  for (int64_t i = 0; i < n_vocab; ++i) cand_[(size_t)i] = {(int32_t)i, logits[i]};
-  const auto by = [](const Candidate& a, const Candidate& b) { return better(a.logit, a.id, b.logit, b.id); };
-  n = std::min(n, cand_.size());
-  std::partial_sort(cand_.begin(), cand_.begin() + (std::ptrdiff_t)n, cand_.end(), by);
-  cand_.resize(n);
-}
-
-// How many of the best candidates survive top-k, then top-p, then min-p, with probabilities at temperature 1
-// over the top-k set (as llama.cpp and runtime's Sampler). Leaves at least that many sorted in cand_.
-size_t RequestSampler::nucleus(const float* logits, int64_t n_vocab, float max_logit) {
-  const bool top_k_on = params_.top_k > 0 && params_.top_k < n_vocab;
-  const size_t k = top_k_on ? (size_t)params_.top_k : (size_t)n_vocab;
-  double total = 0;  // the normaliser over the top-k set
-  if (top_k_on) {
-    sort_best(logits, n_vocab, k);
-    for (const Candidate& c : cand_) total += std::exp((double)(c.logit - max_logit));
-  } else if (params_.top_p < 1.0f) {
-    for (int64_t i = 0; i < n_vocab; ++i) total += std::exp((double)(logits[i] - max_logit));
-  }
-  // min-p keeps the candidates with p >= min_p * p_max: a count, no sort needed.
-  size_t bound = k;
-  if (params_.min_p > 0) {
-    size_t n = 0;
-    for (int64_t i = 0; i < n_vocab; ++i) n += std::exp((double)(logits[i] - max_logit)) >= params_.min_p;
-    bound = std::min(bound, std::max<size_t>(n, 1));
-  }
-  if (params_.top_p >= 1.0f) {
-    if (!top_k_on) sort_best(logits, n_vocab, bound);
-    return bound;
-  }
-  // The top-p prefix: sort the best 64, then 512, ... until the cumulative probability reaches top_p.
-  for (size_t n = std::min<size_t>(bound, 64);; n = std::min(bound, n * 8)) {
-    if (!top_k_on) sort_best(logits, n_vocab, n);
-    double cum = 0;
-    for (size_t i = 0; i < n; ++i) {
-      cum += std::exp((double)(cand_[i].logit - max_logit)) / total;
-      if (cum >= params_.top_p) return i + 1;
-    }
-    if (n == bound) return bound;
-  }
-}
-
-// Draws from the first n_kept candidates of cand_ (or the whole row, in id order, when n_kept == 0) with
-// weights exp((logit - max) / temperature).
-int32_t RequestSampler::draw(const float* logits, int64_t n_vocab, float max_logit, size_t n_kept) {
-  const double inv_t = 1.0 / params_.temperature;
-  const size_t n = n_kept ? n_kept : (size_t)n_vocab;
-  weights_.resize(n);
-  double sum = 0;
-  for (size_t i = 0; i < n; ++i) {
-    const float l = n_kept ? cand_[i].logit : logits[i];
-    sum += weights_[i] = std::exp((double)(l - max_logit) * inv_t);
-  }
-  double r = rng_.uniform_double() * sum;
-  for (size_t i = 0; i < n; ++i) {
-    r -= weights_[i];
-    if (r < 0) return n_kept ? cand_[i].id : (int32_t)i;
-  }
-  return n_kept ? cand_[n - 1].id : (int32_t)(n - 1);
+  adjust_.clear();
+  const RowSampling r = row_sampling(adjust_);
+  return sample_row(logits, n_vocab, r, adjust_.data(), scratch_);
 }
 
 float token_logprob(const float* logits, int64_t n_vocab, int32_t token, int top_n,

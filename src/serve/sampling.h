@@ -1,10 +1,8 @@
 // Per-request sampling for the server: OpenAI logit biases and presence/frequency penalties over the
-// generated tokens, then
-// the chain of runtime's Sampler (top-k -> top-p -> min-p at temperature 1, then temperature) with the
-// request's own RNG, so a seeded request draws the same tokens whatever else runs. Unlike Sampler it never
-// sorts the whole vocabulary (a 50K-entry sort per token and request would dominate a 32-request step): it
-// sorts only the few best candidates the filters can keep. Log-probabilities are of the unmodified logits,
-// as OpenAI reports them.
+// generated tokens, then the chain of runtime's Sampler (top-k -> top-p -> min-p at temperature 1, then
+// temperature) with the request's own RNG, so a seeded request draws the same tokens whatever else runs. The
+// draw itself is runtime's sample_row (row_sampling.h), which a backend can run where the logits are.
+// Log-probabilities are of the unmodified logits, as OpenAI reports them.
 #pragma once
 #include <cstdint>
 #include <unordered_map>
@@ -24,29 +22,18 @@ class RequestSampler {
   int32_t sample(const float* logits, int64_t n_vocab);
   // Records a generated token for the penalties.
   void accept(int32_t token);
-  // Whether a backend can sample for this request (Backend::forward_sample): no top-k, top-p or min-p filter.
-  bool backend_samplable() const;
-  // The request's next token as a RowSampling for forward_sample: appends its logit biases and penalties to
-  // `adjust` and draws the uniform the way sample() would, so both paths pick the same token from the same
-  // logits and leave the RNG in the same state. Only when backend_samplable().
+  // The request's next token as a RowSampling for a backend (Backend::forward_sample): appends its logit
+  // biases and penalties to `adjust` and draws the uniform. sample() is row_sampling() + sample_row() on
+  // the host, so both paths pick the same token from the same logits and leave the RNG in the same state.
   RowSampling row_sampling(std::vector<LogitAdjust>& adjust);
 
  private:
-  struct Candidate {
-    int32_t id;
-    float logit;
-  };
-  void sort_best(const float* logits, int64_t n_vocab, size_t n);
-  size_t nucleus(const float* logits, int64_t n_vocab, float max_logit);
-  int32_t draw(const float* logits, int64_t n_vocab, float max_logit, size_t n_kept);
-
   SamplingParams params_;
   Rng rng_;
   std::unordered_map<int32_t, int> counts_;
   std::unordered_map<int32_t, size_t> bias_at_;  // token -> its index in params_.logit_bias
-  std::vector<float> work_;         // penalised logits
-  std::vector<Candidate> cand_;     // the best candidates, sorted (logit descending, then id)
-  std::vector<double> weights_;
+  std::vector<LogitAdjust> adjust_;
+  SampleScratch scratch_;
 };
 
 // The token runtime's argmax() picks (the first index of the largest value; NaNs never win, and a NaN in

@@ -305,9 +305,9 @@ bool Scheduler::greedy_step() const {
   return true;
 }
 
-// Otherwise, when no row asks for log-probabilities or a top-k / top-p / min-p filter (the OpenAI default:
-// a temperature over the whole vocabulary), the backend samples (forward_sample) with what each request's
-// sampler decides (biases, penalties, the draw's uniform): the same tokens as sampling the logits here.
+// Otherwise, when no row asks for log-probabilities, the backend samples (forward_sample) with what each
+// request's sampler decides (biases, penalties, filters, the draw's uniform): the same tokens as sampling the
+// logits here, which only log-probabilities still need.
 bool Scheduler::backend_sample_step() const {
   static const bool enabled = [] {  // MERLIN_SERVE_BACKEND_SAMPLING=0: sample every such step here (A/B timing)
     const char* e = std::getenv("MERLIN_SERVE_BACKEND_SAMPLING");
@@ -316,7 +316,7 @@ bool Scheduler::backend_sample_step() const {
   if (!enabled) return false;
   for (const Row& r : rows_) {
     if (!r.logits) continue;
-    if (r.seq->request().sampling.top_logprobs >= 0 || !r.seq->sampler.backend_samplable()) return false;
+    if (r.seq->request().sampling.top_logprobs >= 0) return false;
   }
   return true;
 }

@@ -283,17 +283,21 @@ void expect_greedy_matches_logits(Backend& b, const Batch& batch, size_t vocab) 
   for (size_t r = 0; r < ids.size(); ++r) EXPECT_EQ(ids[r], argmax(logits.data() + r * vocab, (int64_t)vocab)) << "row " << r;
 }
 
-// forward_sample against forward() and the host's sample_row on the same logits (tempered and greedy rows, with
-// a logit bias and a penalty).
+// forward_sample against forward() and the host's sample_row on the same logits (tempered and greedy rows,
+// filters, a logit bias and a penalty).
 void expect_sampled_matches_logits(Backend& b, const Batch& batch, size_t vocab, uint32_t seed) {
   const size_t n_rows = batch.n_logits();
-  std::vector<float> logits(n_rows * vocab), work;
+  std::vector<float> logits(n_rows * vocab);
+  SampleScratch work;
   b.forward(batch, logits.data());
   Rng rng(seed);
   std::vector<RowSampling> rows(n_rows);
   std::vector<LogitAdjust> adjust;
   for (size_t r = 0; r < n_rows; ++r) {
     rows[r].temperature = r % 3 == 0 ? 0.0f : 0.7f + 0.3f * (float)r;
+    rows[r].top_k = r % 4 == 1 ? 40 : r % 4 == 2 ? 2000 : 0;  // 2000: more than the device keeps (host finishes)
+    rows[r].top_p = r % 5 == 1 ? 0.9f : 1.0f;
+    rows[r].min_p = r % 6 == 2 ? 0.05f : 0.0f;
     rows[r].u = rng.uniform_double();
     rows[r].first = (int32_t)adjust.size();
     adjust.push_back({(int32_t)(r * 97 % vocab), 4.0f, 0.0f, LogitAdjust::kBias});

@@ -502,22 +502,38 @@ TEST(CudaKernels, ArgmaxRowsMatchesHostFirstMaximum) {
 }
 
 // Sampling on the device (sample_rows) against runtime's sample_row on the host for the same logits and
-// uniforms: greedy and tempered rows, biases and penalties (entries of other rows in between, ids outside the
-// row ignored), rows shorter than the CTA and the GPT-2 vocabulary, uniforms near 0 and 1.
+// uniforms: greedy and tempered rows, top-k / top-p / min-p alone and chained, biases and penalties (entries of
+// other rows in between, ids outside the row ignored), rows shorter than the CTA and the GPT-2 vocabulary,
+// ties at the candidate threshold, uniforms near 0 and 1. A top-k above the device's 1024 candidates is left
+// to the host (-1).
 TEST(CudaKernels, SampleRowsMatchesHostSampleRow) {
   REQUIRE_GPU();
   std::mt19937 gen(3);
   std::uniform_real_distribution<double> uni(0.0, 1.0);
+  struct Filter { int top_k; float top_p, min_p; };
+  const Filter filters[] = {{0, 1.0f, 0.0f}, {40, 1.0f, 0.0f}, {0, 0.9f, 0.0f}, {0, 1.0f, 0.05f},
+                            {40, 0.95f, 0.05f}, {1, 1.0f, 0.0f}, {300, 0.5f, 0.0f}, {2000, 1.0f, 0.0f}};
+  const int n_filters = (int)(sizeof(filters) / sizeof(filters[0]));
   for (int64_t n : {37, 1025, 50257}) {
     SCOPED_TRACE(n);
-    const int rows = 24;
+    const int rows = 48;
     const int64_t ld = n + 5;
-    std::vector<float> h = gaussian((size_t)rows * ld, (uint32_t)n, 3.0f);
+    std::vector<float> h = gaussian((size_t)rows * ld, (uint32_t)n, 2.0f);
+    for (int r = 0; r < rows; ++r) {
+      float* row = h.data() + (size_t)r * ld;
+      for (int b = 0; b < 6; ++b) row[(b * 131 + r * 17) % n] += 14.0f + 1.5f * (float)b;  // a few likely tokens
+      if (r % 4 == 3)  // exact ties around the candidate threshold: many copies of a few values
+        for (int64_t i = 0; i < n; ++i) row[i] = std::round(row[i] * 2.0f) / 2.0f;
+    }
     std::vector<RowSampling> spec(rows);
     std::vector<LogitAdjust> adjust;
     const float temps[] = {0.0f, 0.5f, 0.8f, 1.0f, 1.0f, 1.6f};
     for (int r = 0; r < rows; ++r) {
       spec[r].temperature = temps[r % 6];
+      const Filter& f = filters[r % n_filters];
+      spec[r].top_k = f.top_k;
+      spec[r].top_p = f.top_p;
+      spec[r].min_p = f.min_p;
       spec[r].u = r == 1 ? 0.0 : r == 2 ? 0.999999999 : uni(gen);
       spec[r].first = (int32_t)adjust.size();
       for (int a = 0; a < r % 5 * 7; ++a) {
@@ -541,10 +557,20 @@ TEST(CudaKernels, SampleRowsMatchesHostSampleRow) {
     cu::sync_device();
     std::vector<int32_t> got(rows);
     cu::copy_to_host(got.data(), d_out, rows * sizeof(int32_t));
-    std::vector<float> work;
-    for (int r = 0; r < rows; ++r)
+    SampleScratch work;
+    int filtered_on_device = 0;
+    for (int r = 0; r < rows; ++r) {
+      const bool too_many = spec[r].temperature > 0 && spec[r].top_k == 2000 && n > 1024;
+      if (too_many) {
+        EXPECT_EQ(got[r], -1) << "row " << r;
+        continue;
+      }
+      filtered_on_device += spec[r].temperature > 0 && spec[r].filtered();
       EXPECT_EQ(got[r], sample_row(h.data() + (size_t)r * ld, n, spec[r], adjust.data(), work))
-          << "row " << r << " temperature " << spec[r].temperature << " u " << spec[r].u;
+          << "row " << r << " temperature " << spec[r].temperature << " top_k " << spec[r].top_k << " top_p "
+          << spec[r].top_p << " min_p " << spec[r].min_p << " u " << spec[r].u;
+    }
+    EXPECT_GT(filtered_on_device, 20);
     for (void* p : {static_cast<void*>(d_spec), static_cast<void*>(d_adj), static_cast<void*>(d_out)}) cu::dev_free(p);
   }
 }

@@ -181,36 +181,42 @@ TEST(RequestSampler, LogitBias) {
   EXPECT_EQ(l[0], 5.0f);
 }
 
-// The backend path (row_sampling + runtime's sample_row, what Backend::forward_sample computes) picks the token
-// sample() picks from the same logits, step after step, and leaves the RNG where sample() leaves it: greedy and
-// tempered rows, with biases and penalties on the same and on different tokens, over a long row.
-TEST(RequestSampler, RowSamplingMatchesSample) {
-  Rng rng(17);
-  const int64_t vocab = 5000;
-  std::vector<float> row((size_t)vocab), work;
-  for (float temperature : {0.0f, 0.6f, 1.0f, 1.7f}) {
-    SamplingParams p = params(temperature);
-    p.presence_penalty = 0.7f;
-    p.frequency_penalty = 0.45f;
-    p.logit_bias = {{3, 2.5f}, {4999, -1.25f}, {7, 30.0f}};
-    RequestSampler host(p, 99), backend(p, 99);
-    ASSERT_TRUE(backend.backend_samplable());
-    for (int step = 0; step < 60; ++step) {
-      for (float& v : row) v = 3.0f * rng.normal();
-      row[(size_t)(step % 11)] += 4.0f;  // a few tokens come back, so penalties pile up on them
-      std::vector<LogitAdjust> adjust = {{1234, 5.0f, 0.0f, LogitAdjust::kBias}};  // another row's entry first
-      const RowSampling r = backend.row_sampling(adjust);
-      EXPECT_EQ(r.first, 1);
-      const int32_t want = host.sample(row.data(), vocab);
-      const int32_t got = sample_row(row.data(), vocab, r, adjust.data(), work);
-      ASSERT_EQ(got, want) << "temperature " << temperature << " step " << step;
-      host.accept(want);
-      backend.accept(got);
-    }
-  }
-  EXPECT_FALSE(RequestSampler(params(1.0f, 40), 1).backend_samplable());
-  EXPECT_FALSE(RequestSampler(params(1.0f, 0, 0.9f), 1).backend_samplable());
-  EXPECT_FALSE(RequestSampler(params(1.0f, 0, 1.0f, 0.05f), 1).backend_samplable());
+// What a backend receives for a row (row_sampling): the filters, one adjustment per token (bias, then
+// penalty, appended after the entries already in the step's list), and the draw's uniform, taken from the
+// request's RNG only when the row is not greedy.
+TEST(RequestSampler, RowSamplingCarriesBiasesPenaltiesAndTheUniform) {
+  SamplingParams p = params(0.8f, 40, 0.9f, 0.05f);
+  p.presence_penalty = 0.7f;
+  p.frequency_penalty = 0.45f;
+  p.logit_bias = {{3, 2.5f}, {7, 30.0f}};
+  RequestSampler s(p, 99);
+  s.accept(7);
+  s.accept(7);
+  s.accept(9);
+  std::vector<LogitAdjust> adjust = {{1234, 5.0f, 0.0f, LogitAdjust::kBias}};  // another row's entry
+  const RowSampling r = s.row_sampling(adjust);
+  EXPECT_EQ(r.first, 1);
+  ASSERT_EQ(r.n_adjust, 3);
+  EXPECT_EQ(r.temperature, 0.8f);
+  EXPECT_EQ(r.top_k, 40);
+  EXPECT_EQ(r.top_p, 0.9f);
+  EXPECT_EQ(r.min_p, 0.05f);
+  std::map<int32_t, LogitAdjust> by_token;
+  for (int i = 1; i < 4; ++i) by_token[adjust[(size_t)i].token] = adjust[(size_t)i];
+  EXPECT_EQ(by_token[3].flags, LogitAdjust::kBias);
+  EXPECT_EQ(by_token[3].bias, 2.5f);
+  EXPECT_EQ(by_token[7].flags, LogitAdjust::kBias | LogitAdjust::kPenalty);
+  EXPECT_EQ(by_token[7].bias, 30.0f);
+  EXPECT_EQ(by_token[7].penalty, 0.7f + 0.45f * 2.0f);
+  EXPECT_EQ(by_token[9].flags, LogitAdjust::kPenalty);
+  EXPECT_EQ(by_token[9].penalty, 0.7f + 0.45f);
+  Rng rng(99);
+  EXPECT_EQ(r.u, rng.uniform_double());
+  // A greedy row draws no uniform.
+  RequestSampler g(params(0.0f), 5);
+  std::vector<LogitAdjust> none;
+  EXPECT_EQ(g.row_sampling(none).u, 0.0);
+  EXPECT_TRUE(none.empty());
 }
 
 TEST(TokenLogprob, IsTheLogSoftmax) {

@@ -168,6 +168,7 @@ class CudaBackend final : public Backend {
   LogitAdjust* d_adjust_ = nullptr;
   size_t adjust_cap_ = 0;
   size_t n_adjust_ = 0;  // entries of this step
+  SampleScratch sample_scratch_;  // rows the device leaves to the host
   float *x_ = nullptr, *qkv_ = nullptr, *att_ = nullptr, *gu_ = nullptr, *logits_ = nullptr;
   std::vector<ActBuf> acts_;
   std::map<std::tuple<int, int, int>, cudaGraphExec_t> graphs_by_shape_;  // (tokens, logits rows, Output)
@@ -528,6 +529,15 @@ void CudaBackend::forward_sample(const Batch& batch, int64_t n_vocab, std::span<
   n_adjust_ = adjust.size();
   const int n_out = run_step(batch, Output::DeviceLogits);
   std::memcpy(tokens, h_ids_, (size_t)n_out * sizeof(int32_t));
+  // Rows whose filters keep more candidates than the device collects (-1): their adjusted logits row comes
+  // back and the host finishes the same draw (the adjustments are already applied).
+  for (int r = 0; r < n_out; ++r) {
+    if (tokens[r] >= 0) continue;
+    cuda::copy_to_host(h_logits_, logits_ + (size_t)r * c_.vocab_size, (size_t)c_.vocab_size * sizeof(float));
+    RowSampling plain = rows[(size_t)r];
+    plain.n_adjust = 0;
+    tokens[r] = sample_row(h_logits_, c_.vocab_size, plain, nullptr, sample_scratch_);
+  }
 }
 
 // After a DeviceLogits step: the rows' sampling on the device, and only the ids come back.

@@ -100,9 +100,208 @@ __device__ double block_exclusive_scan(double v, double* total) {
   return warps[w] + (incl - v);
 }
 
-// One CTA per row: sample_row (runtime/row_sampling.h) on the device. The adjustments are applied to the
-// row in place. The draw gives each thread a contiguous slice of the row: the slices' weight sums, scanned
-// in thread order, say which slice holds u * total, and that thread walks its slice like the host loop.
+// sample_row's draw over the whole row (no filter). Each thread takes a contiguous slice of the row: the
+// slices' weight sums, scanned in thread order, say which slice holds u * total, and that thread walks its
+// slice like the host loop.
+__device__ int32_t draw_whole_row(const float* row, int64_t n, float m, double inv_t, double u) {
+  const int64_t per = (n + kThreads - 1) / kThreads, b = min(n, (int64_t)threadIdx.x * per), e = min(n, b + per);
+  double s = 0;
+  for (int64_t i = b; i < e; ++i) s += exp((double)(row[i] - m) * inv_t);
+  __shared__ double total;
+  __shared__ int32_t pick;
+  if (threadIdx.x == 0) pick = (int32_t)(n - 1);  // the host loop's answer when rounding leaves r >= 0
+  const double prefix = block_exclusive_scan(s, &total);
+  const double r = u * total;
+  if (b < e && r >= prefix && r < prefix + s) {
+    double left = r - prefix;
+    int64_t i = b;
+    for (; i < e - 1; ++i) {
+      left -= exp((double)(row[i] - m) * inv_t);
+      if (left < 0) break;
+    }
+    pick = (int32_t)i;
+  }
+  __syncthreads();
+  return pick;
+}
+
+// Candidates of a filtered draw: the kCand best tokens at most, found on the device. A row whose filters
+// keep more (top-k above kCand, or a top-p / min-p set that does not fit) is left to the host.
+constexpr int kCand = kThreads;
+
+// Float order as unsigned order (NaN lowest: it never wins on the host either).
+__device__ __forceinline__ uint32_t order_key(float v) {
+  const uint32_t b = __float_as_uint(v);
+  if (v != v) return 0;
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+// Candidate order: key descending, then id ascending, as one descending 64-bit value (0: no candidate).
+__device__ __forceinline__ unsigned long long cand_code(uint32_t key, int64_t id) {
+  return ((unsigned long long)key << 32) | (0xFFFFFFFFu - (uint32_t)id);
+}
+__device__ __forceinline__ int32_t cand_id(unsigned long long c) { return (int32_t)(0xFFFFFFFFu - (uint32_t)c); }
+
+// Radix select (8 bits a pass, from the top): the key T of the kCand-th best element, and how many of the
+// elements equal to T belong to the kCand best (the lowest ids). Lanes of a warp that hit the same bin add
+// once (match_any): the first pass's bins are few and crowded.
+__device__ void select_threshold(const float* row, int64_t n, uint32_t& threshold, int& n_equal) {
+  __shared__ int hist[256];
+  __shared__ uint32_t s_prefix;
+  __shared__ int s_want;
+  uint32_t prefix = 0, mask = 0;
+  int want = kCand;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int b = threadIdx.x; b < 256; b += kThreads) hist[b] = 0;
+    __syncthreads();
+    for (int64_t base = 0; base < n; base += kThreads) {  // whole warps each round, for match_any
+      const int64_t i = base + threadIdx.x;
+      const uint32_t k = i < n ? order_key(row[i]) : 0u;
+      const bool in = i < n && (k & mask) == prefix;
+      const unsigned int bin = in ? (k >> shift) & 255u : 256u;
+      const unsigned int same = __match_any_sync(0xffffffffu, bin);
+      if (in && (threadIdx.x & 31) == __ffs(same) - 1) atomicAdd(&hist[bin], __popc(same));
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {  // lane L: bins 255 - 8L .. 248 - 8L
+      const int lane = threadIdx.x;
+      int c[8], sum = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) sum += c[j] = hist[255 - (lane * 8 + j)];
+      int incl = sum;
+      for (int o = 1; o < 32; o <<= 1) {
+        const int up = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += up;
+      }
+      int acc = incl - sum;
+      if (acc < want && want <= incl) {
+        for (int j = 0; j < 8; ++j) {
+          if (acc + c[j] >= want) {
+            s_prefix = prefix | ((uint32_t)(255 - (lane * 8 + j)) << shift);
+            s_want = want - acc;
+            break;
+          }
+          acc += c[j];
+        }
+      }
+    }
+    __syncthreads();
+    prefix = s_prefix;
+    want = s_want;
+    mask |= 255u << shift;
+  }
+  threshold = prefix;
+  n_equal = want;
+}
+
+// cand[0 .. min(n, kCand)) = the best tokens, sorted (key descending, then id); the rest 0.
+__device__ void best_candidates(const float* row, int64_t n, unsigned long long* cand) {
+  for (int j = threadIdx.x; j < kCand; j += kThreads) cand[j] = 0;
+  __syncthreads();
+  if (n <= kCand) {
+    for (int64_t i = threadIdx.x; i < n; i += kThreads) cand[i] = cand_code(order_key(row[i]), i);
+  } else {
+    uint32_t t;
+    int n_equal;
+    select_threshold(row, n, t, n_equal);
+    __shared__ int n_above;
+    if (threadIdx.x == 0) n_above = 0;
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+      const uint32_t k = order_key(row[i]);
+      if (k > t) cand[atomicAdd(&n_above, 1)] = cand_code(k, i);  // exactly kCand - n_equal of them
+    }
+    // The elements equal to t, lowest ids first: contiguous slices, ranked by a scan in thread order.
+    const int64_t per = (n + kThreads - 1) / kThreads, b = min(n, (int64_t)threadIdx.x * per), e = min(n, b + per);
+    int count = 0;
+    for (int64_t i = b; i < e; ++i) count += order_key(row[i]) == t;
+    double unused;
+    int rank = (int)block_exclusive_scan((double)count, &unused);
+    for (int64_t i = b; i < e && rank < n_equal; ++i)
+      if (order_key(row[i]) == t) cand[kCand - n_equal + rank++] = cand_code(t, i);
+  }
+  __syncthreads();
+  for (int k = 2; k <= kCand; k <<= 1) {  // bitonic sort, descending
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      const int i = threadIdx.x, p = i ^ j;
+      if (p > i) {
+        const unsigned long long a = cand[i], c = cand[p];
+        if ((i & k) == 0 ? a < c : a > c) {
+          cand[i] = c;
+          cand[p] = a;
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+__device__ double block_total(double v) {
+  __shared__ double total;
+  block_exclusive_scan(v, &total);
+  __syncthreads();  // total is written by warp 0 inside the scan, before its second barrier
+  return total;
+}
+
+// sample_row's filtered draw: top-k, then top-p, then min-p at temperature 1 over the kCand best tokens, then
+// the tempered draw over the kept ones in candidate order. -1 when the filters may keep more than kCand.
+__device__ int32_t draw_filtered(const float* row, int64_t n, const RowSampling& rs) {
+  __shared__ unsigned long long cand[kCand];
+  best_candidates(row, n, cand);
+  const int j = threadIdx.x;
+  const int64_t n_valid = min(n, (int64_t)kCand);
+  const int32_t id = j < n_valid ? cand_id(cand[j]) : 0;
+  const float l = j < n_valid ? row[id] : -INFINITY;
+  __shared__ float s_max;
+  if (j == 0) s_max = l;  // the best candidate: the row's maximum
+  __syncthreads();
+  const float mx = s_max;
+  const bool top_k_on = rs.top_k > 0 && rs.top_k < n;
+  const int64_t k = top_k_on ? rs.top_k : n;
+  if (top_k_on && k > n_valid) return -1;
+  const double p1 = j < n_valid ? exp((double)(l - mx)) : 0.0;  // probability at temperature 1, unnormalised
+  double total = 0;
+  if (top_k_on) {
+    total = block_total(j < k ? p1 : 0.0);
+  } else if (rs.top_p < 1.0f) {
+    double s = 0;
+    for (int64_t i = j; i < n; i += kThreads) s += exp((double)(row[i] - mx));
+    total = block_total(s);
+  }
+  int64_t bound = k;
+  if (rs.min_p > 0) {
+    double c = 0;
+    for (int64_t i = j; i < n; i += kThreads) c += exp((double)(row[i] - mx)) >= rs.min_p ? 1.0 : 0.0;
+    bound = min(bound, max((int64_t)block_total(c), (int64_t)1));
+  }
+  int64_t n_kept = bound;
+  if (rs.top_p < 1.0f) {
+    const int64_t lim = min(bound, n_valid);
+    const double p = j < lim ? p1 / total : 0.0;
+    double unused;
+    const double cum = block_exclusive_scan(p, &unused) + p;
+    __shared__ int first_reached;
+    if (j == 0) first_reached = INT_MAX;
+    __syncthreads();
+    if (j < lim && cum >= rs.top_p) atomicMin(&first_reached, j);
+    __syncthreads();
+    if (first_reached != INT_MAX) n_kept = first_reached + 1;
+  }
+  if (n_kept > n_valid) return -1;
+  n_kept = max(n_kept, (int64_t)1);
+  const double w = j < n_kept ? exp((double)(l - mx) * (1.0 / (double)rs.temperature)) : 0.0;
+  double sum;
+  const double before = block_exclusive_scan(w, &sum);
+  __shared__ int32_t pick;
+  if (j == 0) pick = cand_id(cand[n_kept - 1]);  // the host loop's answer when rounding leaves r >= 0
+  __syncthreads();
+  const double r = rs.u * sum;
+  if (j < n_kept && r >= before && r < before + w) pick = id;
+  __syncthreads();
+  return pick;
+}
+
+// One CTA per row: sample_row (runtime/row_sampling.h) on the device, the adjustments applied to the row in
+// place; -1 where the host must finish (draw_filtered).
 __global__ void __launch_bounds__(kThreads) sample_rows_kernel(float* __restrict__ logits, int64_t ld, int64_t n,
                                                              const RowSampling* __restrict__ rows,
                                                              const LogitAdjust* __restrict__ adjust,
@@ -118,34 +317,17 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(float* __restrict
     row[e.token] = l;
   }
   __syncthreads();  // also orders the adjusted logits (global memory) before the reads below
+  int32_t token;
   if (rs.temperature <= 0) {
-    const int best = block_argmax(row, n);
-    if (threadIdx.x == 0) out[blockIdx.x] = best;
-    return;
+    token = block_argmax(row, n);
+  } else if (rs.top_k > 0 || rs.top_p < 1.0f || rs.min_p > 0) {
+    token = draw_filtered(row, n, rs);
+  } else {
+    float m = -INFINITY;
+    for (int64_t i = threadIdx.x; i < n; i += kThreads) m = fmaxf(m, row[i]);
+    token = draw_whole_row(row, n, block_max(m), 1.0 / (double)rs.temperature, rs.u);
   }
-  float m = -INFINITY;
-  for (int64_t i = threadIdx.x; i < n; i += kThreads) m = fmaxf(m, row[i]);
-  m = block_max(m);
-  const double inv_t = 1.0 / (double)rs.temperature;
-  const int64_t per = (n + kThreads - 1) / kThreads, b = min(n, (int64_t)threadIdx.x * per), e = min(n, b + per);
-  double s = 0;
-  for (int64_t i = b; i < e; ++i) s += exp((double)(row[i] - m) * inv_t);
-  __shared__ double total;
-  __shared__ int32_t pick;
-  if (threadIdx.x == 0) pick = (int32_t)(n - 1);  // the host loop's answer when rounding leaves r >= 0
-  const double prefix = block_exclusive_scan(s, &total);
-  const double r = rs.u * total;
-  if (b < e && r >= prefix && r < prefix + s) {
-    double left = r - prefix;
-    int64_t i = b;
-    for (; i < e - 1; ++i) {
-      left -= exp((double)(row[i] - m) * inv_t);
-      if (left < 0) break;
-    }
-    pick = (int32_t)i;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) out[blockIdx.x] = pick;
+  if (threadIdx.x == 0) out[blockIdx.x] = token;
 }
 
 }  // namespace
