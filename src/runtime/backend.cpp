@@ -17,11 +17,11 @@ void Backend::forward_sample(const Batch& batch, int64_t n_vocab, std::span<cons
                              std::span<const LogitAdjust> adjust, int32_t* tokens) {
   const size_t n_rows = batch.n_logits();
   MERLIN_CHECK(rows.size() == n_rows, "forward_sample: ", rows.size(), " sampling rows for ", n_rows, " logits rows");
-  std::vector<float> logits(n_rows * (size_t)n_vocab);
-  SampleScratch work;
-  forward(batch, logits.data());
+  sample_logits_.resize(n_rows * (size_t)n_vocab);
+  forward(batch, sample_logits_.data());
   for (size_t r = 0; r < n_rows; ++r)
-    tokens[r] = sample_row(logits.data() + r * (size_t)n_vocab, n_vocab, rows[r], adjust.data(), work);
+    tokens[r] = sample_row(sample_logits_.data() + r * (size_t)n_vocab, n_vocab, rows[r], adjust.data(),
+                           sample_scratch_);
 }
 
 #ifdef MERLIN_HAVE_CUDA

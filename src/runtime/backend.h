@@ -88,6 +88,12 @@ class Backend {
   virtual void set_block_table(int seq, std::span<const int32_t> blocks) = 0;
   // Bytes of K/V cache per block (all layers, K and V): what a block costs, for logs and metrics.
   virtual size_t kv_block_bytes() const = 0;
+
+ private:
+  // forward_sample's default: the step's logits rows and the sampling scratch, kept between steps (a 32-row
+  // step's 6 MB would otherwise be allocated and faulted in every time).
+  std::vector<float> sample_logits_;
+  SampleScratch sample_scratch_;
 };
 
 std::unique_ptr<Backend> make_cpu_backend(const Model& model, const BackendOptions& opts);
