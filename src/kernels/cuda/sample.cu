@@ -302,7 +302,7 @@ __device__ int32_t draw_filtered(const float* row, int64_t n, const RowSampling&
 
 // One CTA per row: sample_row (runtime/row_sampling.h) on the device, the adjustments applied to the row in
 // place; -1 where the host must finish (draw_filtered).
-__global__ void __launch_bounds__(kThreads) sample_rows_kernel(float* __restrict__ logits, int64_t ld, int64_t n,
+__global__ void __launch_bounds__(kThreads, 1) sample_rows_kernel(float* __restrict__ logits, int64_t ld, int64_t n,
                                                              const RowSampling* __restrict__ rows,
                                                              const LogitAdjust* __restrict__ adjust,
                                                              int32_t* __restrict__ out) {
