@@ -3,17 +3,22 @@
 //   sequences in one batch, runs longer than one 64-query tile, single tokens, positions that do not start at 0,
 //   head sizes 32, 64 and 128;
 // - split-K decode attention against the unsplit kernel at long positions, f16 and f32 caches;
-// - the per-token kernel's second output (Wo's input in Q8_0 / F16 / BF16) against prep_act on its float output.
+// - the per-token kernel's second output (Wo's input in Q8_0 / F16 / BF16) against prep_act on its float output;
+// - a Q8_0 cache against an f32 cache of its dequantized values.
 // Skips without a GPU.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "core/dtype.h"
+#include "kernels/cpu/quant.h"
+#include "kernels/cpu/quant_formats.h"
 #include "cuda_test_util.h"
 #include "quant_test_util.h"
 #include "test_util.h"
@@ -26,6 +31,9 @@ using test::upload;
 namespace {
 
 #define REQUIRE_GPU() MERLIN_REQUIRE_GPU()
+// gtest's ASSERT_* cannot return from a constructor.
+#define ASSERT_TRUE_CTOR(x) \
+  if (!(x)) throw std::runtime_error(#x " failed")
 
 struct Token {
   int seq, pos;
@@ -42,8 +50,10 @@ struct RandomAttention {
   float* d_q;
   int32_t *d_pos, *d_seq;
 
+  // q8: a Q8_0 cache of the same random values (quantized as the CPU does); q8_values: an f32 cache holding
+  // exactly what that Q8_0 cache dequantizes to.
   RandomAttention(int hd_, int n_heads_, int n_kv_heads_, bool f16, const std::vector<Token>& batch, int n_ctx_,
-                  uint32_t seed)
+                  uint32_t seed, bool q8 = false, bool q8_values = false)
       : n((int)batch.size()), n_heads(n_heads_), n_kv_heads(n_kv_heads_), hd(hd_), n_ctx(n_ctx_),
         ld((int64_t)n_heads_ * hd_) {
     const int max_blocks = n_ctx / kBlock, n_blocks = kSeqs * max_blocks;
@@ -52,8 +62,33 @@ struct RandomAttention {
     std::iota(perm.begin(), perm.end(), 0);
     std::shuffle(perm.begin(), perm.end(), rng);
     const size_t cache_len = (size_t)n_blocks * kBlock * n_kv_heads * hd;
-    const std::vector<float> kf = test::gaussian(cache_len, seed + 1), vf = test::gaussian(cache_len, seed + 2);
-    if (f16) {
+    std::vector<float> kf = test::gaussian(cache_len, seed + 1), vf = test::gaussian(cache_len, seed + 2);
+    if (q8 || q8_values) {
+      std::vector<int8_t> codes[2];
+      std::vector<uint16_t> scales[2];
+      std::vector<float>* rows[2] = {&kf, &vf};
+      for (int c = 0; c < 2; ++c) {
+        std::vector<kernels::quant::BlockQ8_0> blocks(cache_len / 32);
+        ASSERT_TRUE_CTOR(kernels::quant_quantize_row(DType::Q8_0, rows[c]->data(), blocks.data(), (int64_t)cache_len));
+        for (size_t b = 0; b < blocks.size(); ++b) {
+          scales[c].push_back(blocks[b].d);
+          for (int j = 0; j < 32; ++j) {
+            codes[c].push_back(blocks[b].qs[j]);
+            (*rows[c])[b * 32 + j] = (float)blocks[b].qs[j] * fp16_to_f32(blocks[b].d);
+          }
+        }
+      }
+      if (q8) {
+        kv.d_k = upload(codes[0]);
+        kv.d_v = upload(codes[1]);
+        kv.d_ks = upload(scales[0]);
+        kv.d_vs = upload(scales[1]);
+        kv.q8 = true;
+        f16 = false;
+      }
+    }
+    if (kv.q8) {
+    } else if (f16) {
       std::vector<uint16_t> k(cache_len), v(cache_len);
       for (size_t i = 0; i < cache_len; ++i) {
         k[i] = f32_to_fp16(kf[i]);
@@ -81,8 +116,8 @@ struct RandomAttention {
   RandomAttention(const RandomAttention&) = delete;
   RandomAttention& operator=(const RandomAttention&) = delete;
   ~RandomAttention() {
-    for (void* p : {kv.d_k, kv.d_v, static_cast<void*>(const_cast<int32_t*>(kv.d_table)), static_cast<void*>(d_q),
-                    static_cast<void*>(d_pos), static_cast<void*>(d_seq)})
+    for (void* p : {kv.d_k, kv.d_v, kv.d_ks, kv.d_vs, static_cast<void*>(const_cast<int32_t*>(kv.d_table)),
+                    static_cast<void*>(d_q), static_cast<void*>(d_pos), static_cast<void*>(d_seq)})
       cu::dev_free(p);
   }
 
@@ -242,6 +277,50 @@ TEST(CudaSplitAttention, MatchesUnsplitKernel) {
 
 // The per-token kernel writes Wo's input itself (one kernel less per layer): its codes and scales (Q8_0) or
 // halves (F16, BF16) must be exactly those prep_act(Plain) writes from the float output, split or not.
+// max |a - b| / max |b|.
+float rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  float worst = 0, amax = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    worst = std::max(worst, std::fabs(a[i] - b[i]));
+    amax = std::max(amax, std::fabs(b[i]));
+  }
+  return worst / amax;
+}
+
+// A Q8_0 cache gives what an f32 cache holding its dequantized values (scale x code, as the CPU's
+// dequantize_row) gives, up to float summation order (it walks 8 positions per lane group and pass, the f32
+// cache 4): decode tokens (V rows hoisted), a batch (not hoisted), long positions split and unsplit; the
+// tiled prefill kernel over the same cache agrees within f16 rounding.
+TEST(CudaAttention, Q8CacheMatchesF32CacheOfItsValues) {
+  REQUIRE_GPU();
+  const std::vector<Token> decode = {{0, 37}, {1, 200}, {2, 5}};
+  std::vector<Token> batch;
+  for (int i = 0; i < 40; ++i) batch.push_back({i % 3, 60 + i});
+  const std::vector<Token> longer = {{0, 1500}, {1, 700}, {2, 2047}};
+  for (const std::vector<Token>* tokens : {&decode, static_cast<const std::vector<Token>*>(&batch), &longer}) {
+    for (int hd : {64, 128}) {
+      SCOPED_TRACE(std::to_string(tokens->size()) + " tokens, head " + std::to_string(hd));
+      const int n_ctx = tokens == &longer ? 2048 : 256;
+      const RandomAttention q8(hd, 8, 2, false, *tokens, n_ctx, 31, true, false);
+      const RandomAttention ref(hd, 8, 2, false, *tokens, n_ctx, 31, false, true);
+      const std::vector<float> a = q8.per_token(), b = ref.per_token();
+      EXPECT_LE(rel_diff(a, b), 2e-6f);
+      EXPECT_GT(*std::max_element(b.begin(), b.end()), 0.0f);
+      if (tokens == &batch) {  // the tiled prefill kernel stages the Q8_0 rows as f16
+        const float d = rel_diff(q8.tiled(), a);
+        EXPECT_LE(d, 2e-3f) << "tiled kernel on the Q8_0 cache";
+        std::printf("[ flash ] head %3d, Q8_0 cache: max |flash - per-token| = %.3g of max |out|\n", hd, d);
+      }
+      if (tokens == &longer) {
+        cu::AttnScratch scratch = cu::attention_scratch_alloc(3, 8, hd, n_ctx);
+        const std::vector<float> sa = q8.per_token(&scratch), sb = ref.per_token(&scratch);
+        EXPECT_LE(rel_diff(sa, sb), 2e-6f) << "split";
+        cu::attention_scratch_free(scratch);
+      }
+    }
+  }
+}
+
 TEST(CudaAttention, EmitsTheProductInputOfAPlainPreparation) {
   REQUIRE_GPU();
   const int n_ctx = 2048;

@@ -124,7 +124,7 @@ TEST(CudaBackend, ThrowsClearlyWithoutGpuOrBadOptions) {
     GTEST_SKIP() << "no usable CUDA GPU (" << why << "): checked that make_backend(\"cuda\") throws";
   }
   BackendOptions bo = opts_with();
-  bo.kv_type = DType::Q8_0;
+  bo.kv_type = DType::Q4_0;  // f32, f16 and q8_0 caches only
   EXPECT_THROW(make_backend("cuda", *m, bo), Error);
 }
 
@@ -208,6 +208,15 @@ TEST(CudaBackend, LogitsMatchCpuPerFormat) {
   for (DType t : {DType::F32, DType::F16, DType::BF16}) check_parity(t, DType::F16, floats);
   for (DType t : {DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::Q4_K, DType::TQ1_0, DType::TQ2_0})
     check_parity(t, DType::F16, quantized);
+}
+
+// A Q8_0 K/V cache (quantized by rope_kv exactly as the CPU quantizes its rows; tested bit for bit in
+// cuda_kernels_test). The CPU also rounds q to Q8_0 codes for the scores (an integer dot product); the GPU
+// multiplies the f32 q with the dequantized K, so the two differ by q's rounding, as quantized formats do.
+TEST(CudaBackend, LogitsMatchCpuWithQ8Cache) {
+  REQUIRE_GPU();
+  const Parity bound{5e-2f, 3e-2f};
+  for (DType t : {DType::F32, DType::BF16, DType::Q4_0}) check_parity(t, DType::Q8_0, bound);
 }
 
 // Prefill steps of 64 tokens or more run their products through cuBLAS on weights expanded to halves, with x

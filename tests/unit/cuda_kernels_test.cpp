@@ -575,6 +575,71 @@ TEST(CudaKernels, SampleRowsMatchesHostSampleRow) {
   }
 }
 
+// rope_kv into a Q8_0 cache: the codes and f16 scales the CPU's quantize_row_q8_0 makes of the rows it writes
+// into an f32 cache (GQA, a partial rotary dimension, shuffled blocks); the fused QKV epilogues refuse it.
+TEST(CudaKernels, RopeKvQuantizesAQ8CacheAsTheCpu) {
+  REQUIRE_GPU();
+  const int n_ctx = 64, block = 16, max_blocks = n_ctx / block, n_seq = 2, n = 5, n_heads = 8, n_kv = 2, hd = 64;
+  const int64_t q_dim = n_heads * hd, kv_dim = n_kv * hd, k_off = q_dim, v_off = q_dim + kv_dim, ld = q_dim + 2 * kv_dim;
+  std::vector<int32_t> table(n_seq * max_blocks), pos(n), seq(n);
+  for (int i = 0; i < n_seq * max_blocks; ++i) table[i] = (i * 3) % (n_seq * max_blocks);
+  for (int t = 0; t < n; ++t) seq[t] = t % n_seq, pos[t] = 7 * t + 3;
+  int32_t *d_table = test::upload(table), *d_pos = test::upload(pos), *d_seq = test::upload(seq);
+  const std::vector<float> qkv = gaussian((size_t)n * ld, 41, 3.0f), cos_sin = gaussian((size_t)n_ctx * 32, 42);
+  DevFloats d_cs(cos_sin), qkv_f32(qkv), qkv_q8(qkv);
+  const size_t slots = (size_t)n_seq * max_blocks * block;
+  cu::KvArgs f32{test::upload(std::vector<float>(slots * kv_dim, 0.f)), test::upload(std::vector<float>(slots * kv_dim, 0.f)),
+                 false, block, max_blocks, d_table};
+  cu::KvArgs q8{test::upload(std::vector<int8_t>(slots * kv_dim, 0)), test::upload(std::vector<int8_t>(slots * kv_dim, 0)),
+                false, block, max_blocks, d_table, true,
+                test::upload(std::vector<uint16_t>(slots * kv_dim / 32, 0)),
+                test::upload(std::vector<uint16_t>(slots * kv_dim / 32, 0))};
+  cu::rope_kv(qkv_f32.p, ld, k_off, v_off, n, d_pos, d_seq, d_cs.p, n_heads, n_kv, hd, 32, f32, nullptr);
+  cu::rope_kv(qkv_q8.p, ld, k_off, v_off, n, d_pos, d_seq, d_cs.p, n_heads, n_kv, hd, 32, q8, nullptr);
+  cu::sync_device();
+  EXPECT_EQ(download(qkv_f32.p, qkv.size()), download(qkv_q8.p, qkv.size()));  // Q rotated alike
+  int checked = 0;
+  for (int c = 0; c < 2; ++c) {
+    const auto rows = download(static_cast<const float*>(c ? f32.d_v : f32.d_k), slots * kv_dim);
+    const auto codes = download(static_cast<const int8_t*>(c ? q8.d_v : q8.d_k), slots * kv_dim);
+    const auto scales = download(static_cast<const uint16_t*>(c ? q8.d_vs : q8.d_ks), slots * kv_dim / 32);
+    for (int t = 0; t < n; ++t) {
+      const int64_t slot = (int64_t)table[seq[t] * max_blocks + pos[t] / block] * block + pos[t] % block;
+      std::vector<kernels::quant::BlockQ8_0> want(kv_dim / 32);
+      ASSERT_TRUE(kernels::quant_quantize_row(DType::Q8_0, rows.data() + slot * kv_dim, want.data(), kv_dim));
+      for (int64_t b = 0; b < kv_dim / 32; ++b) {
+        EXPECT_EQ(scales[(size_t)(slot * kv_dim / 32 + b)], want[b].d) << "token " << t << " block " << b;
+        for (int j = 0; j < 32; ++j) EXPECT_EQ(codes[(size_t)(slot * kv_dim + b * 32 + j)], want[b].qs[j]);
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 2 * n * kv_dim / 32);
+  // A QKV product cannot write a Q8_0 cache in its epilogue: matmul_rope_kv declines (the caller runs rope_kv).
+  const std::vector<uint8_t> wm = random_matrix(DType::Q4_0, ld, 256, 43);
+  const cu::MatrixPart part{DType::Q4_0, wm.data(), ld, 256, dtype_row_bytes(DType::Q4_0, 256)};
+  cu::Matrix m = cu::upload_matrix(&part, 1, nullptr);
+  cu::ActBuf a = cu::act_alloc(m.act(), 256, 1);
+  cu::RopeKvArgs r;
+  r.d_pos = d_pos;
+  r.d_seq = d_seq;
+  r.d_cos_sin = d_cs.p;
+  r.q_dim = q_dim;
+  r.kv_dim = kv_dim;
+  r.k_off = cu::padded_rows(q_dim);
+  r.v_off = r.k_off + cu::padded_rows(kv_dim);
+  r.hd = hd;
+  r.n_rot = 32;
+  r.kv = q8;
+  DevFloats y(std::vector<float>((size_t)m.rows, 0.f));
+  EXPECT_FALSE(cu::matmul_rope_kv(m, a, 1, y.p, m.rows, r, nullptr));
+  cu::act_free(a);
+  cu::free_matrix(m);
+  for (void* p : {f32.d_k, f32.d_v, q8.d_k, q8.d_v, q8.d_ks, q8.d_vs, static_cast<void*>(d_table),
+                  static_cast<void*>(d_pos), static_cast<void*>(d_seq)})
+    cu::dev_free(p);
+}
+
 // QKV products with RoPE and the K/V cache write in their epilogue (matmul_rope_kv) against matmul()
 // followed by rope_kv(): Q rows and both caches bit for bit, for every quantized and half format, with GQA, a
 // partial rotary dimension, a paged cache (f16 and f32) shared by three sequences, for 1 token (the

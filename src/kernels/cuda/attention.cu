@@ -53,16 +53,42 @@ __global__ void __launch_bounds__(kThreads) rope_kv_kernel(float* __restrict__ q
     v[0] = r.x;
     v[1] = r.y;
   }
+  extern __shared__ float staged[];  // Q8_0 cache: the rotated K row, then the V row
   for (int e = threadIdx.x; e < n_kv_heads * half_hd; e += blockDim.x) {
     const int h = e / half_hd, i = e % half_hd;
     const float* kr = row + k_off + h * hd + 2 * i;
     float2 r = make_float2(kr[0], kr[1]);
     if (i < half_rot) r = rotate(r.x, r.y, cs[2 * i], cs[2 * i + 1]);
+    if (kv.q8) {
+      staged[h * hd + 2 * i] = r.x;
+      staged[h * hd + 2 * i + 1] = r.y;
+      continue;
+    }
     store_kv(kv, kv.d_k, slot * kv_dim + h * hd + 2 * i, r.x);
     store_kv(kv, kv.d_k, slot * kv_dim + h * hd + 2 * i + 1, r.y);
   }
-  for (int e = threadIdx.x; e < kv_dim; e += blockDim.x) store_kv(kv, kv.d_v, slot * kv_dim + e, row[v_off + e]);
+  if (!kv.q8) {
+    for (int e = threadIdx.x; e < kv_dim; e += blockDim.x) store_kv(kv, kv.d_v, slot * kv_dim + e, row[v_off + e]);
+    return;
+  }
+  for (int e = threadIdx.x; e < kv_dim; e += blockDim.x) staged[kv_dim + e] = row[v_off + e];
+  __syncthreads();
+  // Q8_0 blocks of 32, one warp each, as the CPU's quantize_row_q8_0 (ggml's reference): d = amax / 127,
+  // codes round(x / d) (half away from zero), d stored as f16.
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_blocks = (int)(2 * kv_dim / 32);
+  for (int b = warp; b < n_blocks; b += kThreads / 32) {
+    const bool is_v = b >= n_blocks / 2;
+    const int64_t e = (int64_t)(is_v ? b - n_blocks / 2 : b) * 32 + lane;
+    const float x = staged[b * 32 + lane];
+    const float d = warp_max(fabsf(x)) / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    static_cast<int8_t*>(is_v ? kv.d_v : kv.d_k)[slot * kv_dim + e] = (int8_t)roundf(x * id);
+    if (lane == 0) static_cast<__half*>(is_v ? kv.d_vs : kv.d_ks)[(slot * kv_dim + e) / 32] = __float2half_rn(d);
+  }
 }
+
+// Shared memory of rope_kv_kernel for a Q8_0 cache: two rows of kv_dim floats.
+constexpr size_t kRopeKvSmemMax = 2 * 16384 * sizeof(float);
 
 __device__ float block_reduce(float v, float* sh, bool is_max) {
   for (int o = 16; o > 0; o >>= 1) {
@@ -86,10 +112,14 @@ __host__ __device__ constexpr int group_lanes(int hd) {
   return g;
 }
 
-// Elements 8c .. 8c + 7 of a cached row, as floats.
-template <bool F16>
-__device__ __forceinline__ void load8(const void* base, int64_t off, float (&v)[8]) {
-  if constexpr (F16) {
+// Cache element kinds (KvArgs): f32, f16, or Q8_0 (int8 codes, one half scale per block of 32 in d_ks / d_vs).
+constexpr int kKvF32 = 0, kKvF16 = 1, kKvQ8 = 2;
+
+// Elements 8c .. 8c + 7 of a cached row (off: the first one's index), as floats; a Q8_0 element is
+// scale * code, as dequantize_row_q8_0 forms it.
+template <int KV>
+__device__ __forceinline__ void load8(const void* base, const void* scales, int64_t off, float (&v)[8]) {
+  if constexpr (KV == kKvF16) {
     const uint4 u = *reinterpret_cast<const uint4*>(static_cast<const __half*>(base) + off);
     const __half2* h = reinterpret_cast<const __half2*>(&u);
 #pragma unroll
@@ -98,7 +128,13 @@ __device__ __forceinline__ void load8(const void* base, int64_t off, float (&v)[
       v[2 * j] = f.x;
       v[2 * j + 1] = f.y;
     }
+  } else if constexpr (KV == kKvQ8) {
+    const uint2 c = *reinterpret_cast<const uint2*>(static_cast<const int8_t*>(base) + off);
+    const float d = __half2float(static_cast<const __half*>(scales)[off >> 5]);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = (float)(int8_t)(((j < 4 ? c.x : c.y) >> (8 * (j & 3))) & 0xFF) * d;
   } else {
+    (void)scales;
     const float4* f = reinterpret_cast<const float4*>(static_cast<const float*>(base) + off);
     const float4 a = f[0], b = f[1];
     v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
@@ -107,7 +143,9 @@ __device__ __forceinline__ void load8(const void* base, int64_t off, float (&v)[
 }
 
 // Positions handled per group and pass: their K (or V) chunks are all requested before the first is used.
-constexpr int kPosUnroll = 4;
+// A Q8_0 cache's 8 elements are 8 bytes, so it takes twice the positions to keep as many bytes in flight.
+template <int KV>
+constexpr int pos_unroll() { return KV == kKvQ8 ? 8 : 4; }
 
 // Where a CTA's K/V rows lie (besides the KvArgs) and how its lanes share them: a group of G lanes works on
 // one position at a time, lane gi owning dims 8gi .. 8gi + 7.
@@ -136,21 +174,24 @@ __device__ __forceinline__ Rows make_rows(int seq, int kvh, int n_kv_heads, int 
 // Cache slots of this thread's positions in a pass's first iteration (p0 + u * n_groups + group), looked up
 // before pdl_wait: block tables are written before a step's first kernel, never by a kernel, so the K and V
 // loads after the wait no longer sit behind a table load.
+template <int U>
 struct FirstSlots {
-  int64_t s[kPosUnroll];
+  int64_t s[U];
 };
 
-__device__ __forceinline__ FirstSlots first_slots(const KvArgs& kv, const Rows& r, int p0, int p1) {
-  FirstSlots f;
+template <int U>
+__device__ __forceinline__ FirstSlots<U> first_slots(const KvArgs& kv, const Rows& r, int p0, int p1) {
+  FirstSlots<U> f;
 #pragma unroll
-  for (int u = 0; u < kPosUnroll; ++u) {
+  for (int u = 0; u < U; ++u) {
     const int p = p0 + u * r.n_groups + r.group;
     f.s[u] = r.active && p < p1 ? kv_slot(kv, r.seq, p) : 0;
   }
   return f;
 }
 
-__device__ __forceinline__ int64_t slot_at(const KvArgs& kv, const Rows& r, const FirstSlots& f, int base, int p0,
+template <int U>
+__device__ __forceinline__ int64_t slot_at(const KvArgs& kv, const Rows& r, const FirstSlots<U>& f, int base, int p0,
                                            int u, int p) {
   return base == p0 ? f.s[u] : kv_slot(kv, r.seq, p);
 }
@@ -158,17 +199,23 @@ __device__ __forceinline__ int64_t slot_at(const KvArgs& kv, const Rows& r, cons
 // With Hoist, the V rows of pass 2's first iteration are requested with pass 1's first K rows: in a short
 // context (one iteration, up to 128 positions for 64-dim heads) pass 2 then waits on no memory round trip of
 // its own.
-// An f16 cache keeps them as the loaded 16 bytes (half the registers of floats).
-template <bool F16>
+// An f16 cache keeps them as the loaded 16 bytes (half the registers of floats), a Q8_0 one as its 8 codes
+// and the block's scale bits.
+template <int KV>
 struct FirstValues {
-  uint4 raw[kPosUnroll][F16 ? 1 : 2];
+  uint4 raw[pos_unroll<KV>()][KV == kKvF32 ? 2 : 1];
 };
 
-template <bool F16>
-__device__ __forceinline__ void load_raw(const void* base, int64_t off, uint4 (&raw)[F16 ? 1 : 2]) {
-  if constexpr (F16) {
+template <int KV>
+__device__ __forceinline__ void load_raw(const void* base, const void* scales, int64_t off,
+                                         uint4 (&raw)[KV == kKvF32 ? 2 : 1]) {
+  if constexpr (KV == kKvF16) {
     raw[0] = *reinterpret_cast<const uint4*>(static_cast<const __half*>(base) + off);
+  } else if constexpr (KV == kKvQ8) {
+    const uint2 c = *reinterpret_cast<const uint2*>(static_cast<const int8_t*>(base) + off);
+    raw[0] = make_uint4(c.x, c.y, static_cast<const uint16_t*>(scales)[off >> 5], 0u);
   } else {
+    (void)scales;
     const uint4* f = reinterpret_cast<const uint4*>(static_cast<const float*>(base) + off);
     raw[0] = f[0];
     raw[1] = f[1];
@@ -176,9 +223,13 @@ __device__ __forceinline__ void load_raw(const void* base, int64_t off, uint4 (&
 }
 
 // load8's conversion of a loaded row chunk.
-template <bool F16>
-__device__ __forceinline__ void unpack8(const uint4 (&raw)[F16 ? 1 : 2], float (&v)[8]) {
-  if constexpr (F16) {
+template <int KV>
+__device__ __forceinline__ void unpack8(const uint4 (&raw)[KV == kKvF32 ? 2 : 1], float (&v)[8]) {
+  if constexpr (KV == kKvQ8) {
+    const float d = __half2float(__ushort_as_half((unsigned short)raw[0].z));
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = (float)(int8_t)(((j < 4 ? raw[0].x : raw[0].y) >> (8 * (j & 3))) & 0xFF) * d;
+  } else if constexpr (KV == kKvF16) {
     const __half2* h = reinterpret_cast<const __half2*>(&raw[0]);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -194,28 +245,42 @@ __device__ __forceinline__ void unpack8(const uint4 (&raw)[F16 ? 1 : 2], float (
   }
 }
 
-template <bool F16, bool Hoist>
-__device__ __forceinline__ float score_pass(const KvArgs& kv, const Rows& r, const FirstSlots& fs, const float (&qr)[8],
-                                            float scale, int p0, int p1, float* scores, FirstValues<F16>& fv) {
+template <int KV, bool Hoist>
+__device__ __forceinline__ float score_pass(const KvArgs& kv, const Rows& r, const FirstSlots<pos_unroll<KV>()>& fs,
+                                            const float (&qr)[8],
+                                            float scale, int p0, int p1, float* scores, FirstValues<KV>& fv) {
   float mx = -INFINITY;
-  for (int base = p0; base < p1; base += r.n_groups * kPosUnroll) {
-    float kr[kPosUnroll][8];
+  for (int base = p0; base < p1; base += r.n_groups * pos_unroll<KV>()) {
+    constexpr bool kRaw = KV == kKvQ8;  // Q8_0: rows stay as loaded (codes + scale) until used
+    float kr[kRaw ? 1 : pos_unroll<KV>()][8];
+    uint4 kq[kRaw ? pos_unroll<KV>() : 1][1];
 #pragma unroll
-    for (int u = 0; u < kPosUnroll; ++u) {
+    for (int u = 0; u < pos_unroll<KV>(); ++u) {
       const int p = base + u * r.n_groups + r.group;
       if (r.active && p < p1) {
         const int64_t off = slot_at(kv, r, fs, base, p0, u, p) * r.kv_dim + r.head_off + 8 * r.gi;
-        load8<F16>(kv.d_k, off, kr[u]);
-        if (Hoist && base == p0) load_raw<F16>(kv.d_v, off, fv.raw[u]);
-      } else
+        if constexpr (kRaw) load_raw<KV>(kv.d_k, kv.d_ks, off, kq[u]);
+        else load8<KV>(kv.d_k, kv.d_ks, off, kr[u]);
+        if (Hoist && base == p0) load_raw<KV>(kv.d_v, kv.d_vs, off, fv.raw[u]);
+      } else if constexpr (kRaw) {
+        kq[u][0] = make_uint4(0u, 0u, 0u, 0u);
+      } else {
 #pragma unroll
         for (int j = 0; j < 8; ++j) kr[u][j] = 0.f;
+      }
     }
 #pragma unroll
-    for (int u = 0; u < kPosUnroll; ++u) {
+    for (int u = 0; u < pos_unroll<KV>(); ++u) {
+      float k8[8];
+      if constexpr (kRaw) {
+        unpack8<KV>(kq[u], k8);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) k8[j] = kr[u][j];
+      }
       float s = 0.f;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) s += qr[j] * kr[u][j];
+      for (int j = 0; j < 8; ++j) s += qr[j] * k8[j];
       for (int o = r.G / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
       const int p = base + u * r.n_groups + r.group;
       if (p < p1) {
@@ -229,7 +294,7 @@ __device__ __forceinline__ float score_pass(const KvArgs& kv, const Rows& r, con
 }
 
 // The whole context's weights, normalised exactly as the CPU backend does (rounded to f16 with an F16 cache).
-template <bool F16>
+template <int KV>
 __device__ __forceinline__ void normalise(float* scores, int n, float mx, float* red) {
   float sum = 0.f;
   for (int p = threadIdx.x; p < n; p += kAttnThreads) {
@@ -241,18 +306,18 @@ __device__ __forceinline__ void normalise(float* scores, int n, float mx, float*
   const float inv = 1.0f / sum;
   for (int p = threadIdx.x; p < n; p += kAttnThreads) {
     const float w = scores[p] * inv;
-    scores[p] = F16 ? round_to_half(w) : w;
+    scores[p] = KV == kKvF16 ? round_to_half(w) : w;
   }
   __syncthreads();
 }
 
 // One split's unnormalised weights exp(s - mx) (rounded like the normalised ones); returns their sum.
-template <bool F16>
+template <int KV>
 __device__ __forceinline__ float exp_weights(float* scores, int n, float mx, float* red) {
   float sum = 0.f;
   for (int p = threadIdx.x; p < n; p += kAttnThreads) {
     const float e = expf(scores[p] - mx);
-    scores[p] = F16 ? round_to_half(e) : e;
+    scores[p] = KV == kKvF16 ? round_to_half(e) : e;
     sum += e;
   }
   return block_reduce(sum, red, false);  // its barriers also publish the weights to pass 2
@@ -260,30 +325,43 @@ __device__ __forceinline__ float exp_weights(float* scores, int n, float mx, flo
 
 // Pass 2: each lane's sums of weights[p - p0] * V over positions p0 .. p1 - 1 (same grouping as pass 1),
 // left in part[threadIdx.x][8] for group_total.
-template <bool F16, bool Hoist>
-__device__ __forceinline__ void value_pass(const KvArgs& kv, const Rows& r, const FirstSlots& fs,
-                                           const FirstValues<F16>& fv, const float* weights, int p0, int p1, float* part) {
+template <int KV, bool Hoist>
+__device__ __forceinline__ void value_pass(const KvArgs& kv, const Rows& r, const FirstSlots<pos_unroll<KV>()>& fs,
+                                           const FirstValues<KV>& fv, const float* weights, int p0, int p1, float* part) {
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   if (r.active) {
-    for (int base = p0; base < p1; base += r.n_groups * kPosUnroll) {
-      float vr[kPosUnroll][8];
+    for (int base = p0; base < p1; base += r.n_groups * pos_unroll<KV>()) {
+      constexpr bool kRaw = KV == kKvQ8;
+      float vr[kRaw ? 1 : pos_unroll<KV>()][8];
+      uint4 vq[kRaw ? pos_unroll<KV>() : 1][1];
 #pragma unroll
-      for (int u = 0; u < kPosUnroll; ++u) {
+      for (int u = 0; u < pos_unroll<KV>(); ++u) {
         const int p = base + u * r.n_groups + r.group;
         if (p >= p1) continue;
-        if (Hoist && base == p0) {
-          unpack8<F16>(fv.raw[u], vr[u]);
+        const int64_t off = kv_slot(kv, r.seq, p) * r.kv_dim + r.head_off + 8 * r.gi;
+        if constexpr (kRaw) {
+          if (Hoist && base == p0) vq[u][0] = fv.raw[u][0];
+          else load_raw<KV>(kv.d_v, kv.d_vs, off, vq[u]);
+        } else if (Hoist && base == p0) {
+          unpack8<KV>(fv.raw[u], vr[u]);
         } else {
-          load8<F16>(kv.d_v, kv_slot(kv, r.seq, p) * r.kv_dim + r.head_off + 8 * r.gi, vr[u]);
+          load8<KV>(kv.d_v, kv.d_vs, off, vr[u]);
         }
       }
 #pragma unroll
-      for (int u = 0; u < kPosUnroll; ++u) {
+      for (int u = 0; u < pos_unroll<KV>(); ++u) {
         const int p = base + u * r.n_groups + r.group;
         if (p < p1) {
+          float v8[8];
+          if constexpr (kRaw) {
+            unpack8<KV>(vq[u], v8);
+          } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v8[j] = vr[u][j];
+          }
           const float w = weights[p - p0];
 #pragma unroll
-          for (int j = 0; j < 8; ++j) acc[j] += w * vr[u][j];
+          for (int j = 0; j < 8; ++j) acc[j] += w * v8[j];
         }
       }
     }
@@ -368,7 +446,7 @@ __device__ __forceinline__ void write_out(float* o, ActBuf qo, int t, int h, int
 // split 0, exactly as without splits; a longer one is cut into chunks of sp.chunk positions, one per split,
 // and splits starting past its end exit. n_scores: the shared score buffer's length. The unsplit launch has
 // its own instance (Split = false) so that the split bookkeeping costs it no registers.
-template <bool F16, bool Split, bool Hoist>
+template <int KV, bool Split, bool Hoist>
 __global__ void __launch_bounds__(kAttnThreads) attention_kernel(const float* qkv, int64_t ld, const int32_t* d_pos,
                                                                  const int32_t* d_seq, int n_heads, int n_kv_heads,
                                                                  int hd, int n_scores, KvArgs kv, float* out,
@@ -389,7 +467,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_kernel(const float* qk
   if (whole ? split != 0 : p0 >= n_pos) return;
   const int p1 = whole ? n_pos : min(p0 + sp.chunk, n_pos);
   const Rows r = make_rows(seq, h / (n_heads / n_kv_heads), n_kv_heads, hd);
-  const FirstSlots fs = first_slots(kv, r, p0, p1);
+  const FirstSlots<pos_unroll<KV>()> fs = first_slots<pos_unroll<KV>()>(kv, r, p0, p1);
   pdl_wait();
   float qr[8];
   if (r.active) {  // this lane's 8 dims of q, straight from the QKV product's output (16-byte aligned rows)
@@ -397,27 +475,27 @@ __global__ void __launch_bounds__(kAttnThreads) attention_kernel(const float* qk
     const float4 a = qp[0], b = qp[1];
     const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
-    for (int j = 0; j < 8; ++j) qr[j] = F16 ? round_to_half(v[j]) : v[j];
+    for (int j = 0; j < 8; ++j) qr[j] = KV == kKvF16 ? round_to_half(v[j]) : v[j];
   } else {
 #pragma unroll
     for (int j = 0; j < 8; ++j) qr[j] = 0.f;
   }
-  FirstValues<F16> fv;
-  float mx = score_pass<F16, Hoist>(kv, r, fs, qr, 1.0f / sqrtf((float)hd), p0, p1, scores, fv);
+  FirstValues<KV> fv;
+  float mx = score_pass<KV, Hoist>(kv, r, fs, qr, 1.0f / sqrtf((float)hd), p0, p1, scores, fv);
   mx = block_reduce(mx, red, true);  // also orders the score writes before the reads below
   // A split's partial: [max, sum of exp, V sum of hd]. Max and sum are stored before pass 2 so that they do
   // not hold registers through it.
   if (whole) {
-    normalise<F16>(scores, n_pos, mx, red);
+    normalise<KV>(scores, n_pos, mx, red);
   } else {
-    const float l = exp_weights<F16>(scores, p1 - p0, mx, red);
+    const float l = exp_weights<KV>(scores, p1 - p0, mx, red);
     float* mine = split_partials(sp, t, h, n_heads, hd) + (int64_t)split * (hd + 2);
     if (threadIdx.x == 0) {
       mine[0] = mx;
       mine[1] = l;
     }
   }
-  value_pass<F16, Hoist>(kv, r, fs, fv, scores, p0, p1, part);
+  value_pass<KV, Hoist>(kv, r, fs, fv, scores, p0, p1, part);
   float* o = out + (int64_t)t * n_heads * hd + h * hd;
   const int d = threadIdx.x;  // hd <= kAttnThreads: one dim per thread
   if (whole) {
@@ -443,23 +521,42 @@ int split_chunk(int n_ctx) {
   return std::max(kMinChunk, (per + 63) / 64 * 64);
 }
 
+// [cache kind][split][hoist]
+using AttentionKernel = decltype(&attention_kernel<kKvF16, true, true>);
+template <int KV>
+constexpr AttentionKernel kernel_for(bool split, bool hoist) {
+  return split ? (hoist ? attention_kernel<KV, true, true> : attention_kernel<KV, true, false>)
+               : (hoist ? attention_kernel<KV, false, true> : attention_kernel<KV, false, false>);
+}
+const AttentionKernel kAttentionKernels[3][2][2] = {
+    {{kernel_for<kKvF32>(false, false), kernel_for<kKvF32>(false, true)},
+     {kernel_for<kKvF32>(true, false), kernel_for<kKvF32>(true, true)}},
+    {{kernel_for<kKvF16>(false, false), kernel_for<kKvF16>(false, true)},
+     {kernel_for<kKvF16>(true, false), kernel_for<kKvF16>(true, true)}},
+    {{kernel_for<kKvQ8>(false, false), kernel_for<kKvQ8>(false, true)},
+     {kernel_for<kKvQ8>(true, false), kernel_for<kKvQ8>(true, true)}}};
+
 }  // namespace
 
 void attention_prepare(int n_ctx) {
   const int bytes = (int)attention_smem(n_ctx, 256);
   MERLIN_CHECK(bytes <= 227 * 1024, "context of ", n_ctx, " positions is too long for the attention kernel");
-  for (auto kernel : {attention_kernel<true, false, false>, attention_kernel<false, false, false>,
-                      attention_kernel<true, true, false>, attention_kernel<false, true, false>,
-                      attention_kernel<true, false, true>, attention_kernel<false, false, true>,
-                      attention_kernel<true, true, true>, attention_kernel<false, true, true>})
-    MERLIN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  for (const auto& by_split : kAttentionKernels)
+    for (const auto& by_hoist : by_split)
+      for (auto kernel : by_hoist)
+        MERLIN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  MERLIN_CUDA_CHECK(cudaFuncSetAttribute(rope_kv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)kRopeKvSmemMax));
 }
 
 void rope_kv(float* d_qkv, int64_t ld, int64_t k_off, int64_t v_off, int n, const int32_t* d_pos, const int32_t* d_seq,
              const float* d_cos_sin, int n_heads, int n_kv_heads, int head_dim, int n_rot, const KvArgs& kv,
              Stream stream) {
   if (n <= 0) return;
-  launch_pdl(rope_kv_kernel, n, kThreads, 0, stream, d_qkv, ld, k_off, v_off, d_pos, d_seq, d_cos_sin, n_heads,
+  const size_t smem = kv.q8 ? 2 * (size_t)n_kv_heads * head_dim * sizeof(float) : 0;
+  MERLIN_CHECK(!kv.q8 || ((int64_t)n_kv_heads * head_dim % 32 == 0 && head_dim % 8 == 0 && smem <= kRopeKvSmemMax),
+               "rope_kv: a Q8_0 cache needs K/V rows of at most 16384 elements in blocks of 32");
+  launch_pdl(rope_kv_kernel, n, kThreads, smem, stream, d_qkv, ld, k_off, v_off, d_pos, d_seq, d_cos_sin, n_heads,
              n_kv_heads, head_dim, n_rot, kv);
   check_launch("rope_kv");
 }
@@ -520,14 +617,10 @@ void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32
     const char* e = std::getenv("MERLIN_CUDA_ATTN_HOIST");
     return !(e && std::string(e) == "0");
   }();
-  const bool hoist = hoist_on && (int64_t)grid.x * grid.y * grid.z <= 2 * (int64_t)sm_count;
-  using Kernel = decltype(&attention_kernel<true, true, true>);
-  static const Kernel kernels[2][2][2] = {
-      {{attention_kernel<false, false, false>, attention_kernel<false, false, true>},
-       {attention_kernel<false, true, false>, attention_kernel<false, true, true>}},
-      {{attention_kernel<true, false, false>, attention_kernel<true, false, true>},
-       {attention_kernel<true, true, false>, attention_kernel<true, true, true>}}};
-  const Kernel kernel = kernels[kv.f16][split][hoist];
+  const int kind = kv.q8 ? kKvQ8 : kv.f16 ? kKvF16 : kKvF32;
+  const int per_sm = kind == kKvQ8 ? 1 : 2;  // the Q8_0 instance with hoisted rows needs ~190 registers
+  const bool hoist = hoist_on && (int64_t)grid.x * grid.y * grid.z <= per_sm * (int64_t)sm_count;
+  const auto kernel = kAttentionKernels[kind][split][hoist];
   ActBuf qo;  // kind F32: no second output
   if (out_act) {
     MERLIN_CHECK(attention_emits(out_act->kind, head_dim) && out_act->k == (int64_t)n_heads * head_dim &&

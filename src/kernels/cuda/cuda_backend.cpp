@@ -98,7 +98,10 @@ class CudaBackend final : public Backend {
   int kv_block_size() const override { return block_size_; }
   int n_kv_blocks() const override { return n_blocks_; }
   void set_block_table(int seq, std::span<const int32_t> blocks) override;
-  size_t kv_block_bytes() const override { return 2 * (size_t)c_.n_layers * block_size_ * c_.kv_dim() * kv_elem_; }
+  size_t kv_block_bytes() const override {  // a Q8_0 cache adds an f16 scale per 32 elements
+    const size_t row = (size_t)c_.kv_dim() * kv_elem_ + (kv_q8_ ? (size_t)c_.kv_dim() / 32 * 2 : 0);
+    return 2 * (size_t)c_.n_layers * block_size_ * row;
+  }
 
  private:
   struct Layer {
@@ -107,6 +110,8 @@ class CudaBackend final : public Backend {
     Linear qkv, wo, gate_up, down;
     void* k = nullptr;
     void* v = nullptr;
+    void* ks = nullptr;  // Q8_0 cache: the f16 scales
+    void* vs = nullptr;
   };
 
   // What a step returns: logits rows, only the argmax id of each row (greedy), or nothing yet (the logits stay
@@ -146,7 +151,8 @@ class CudaBackend final : public Backend {
   cuda::AttnScratch attn_scratch_;  // split-K attention for decode-sized steps on long contexts
   bool split_attention_ = true;     // MERLIN_CUDA_SPLITK=0: one CTA per (head, token) over the whole context
   std::unique_ptr<cuda::GemmRunner> gemm_;
-  size_t kv_elem_;
+  size_t kv_elem_;  // bytes per cached element (Q8_0: its int8 code)
+  bool kv_q8_ = false;
   std::vector<Layer> layers_;
   Linear head_;
   float* out_norm_ = nullptr;
@@ -183,9 +189,12 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
                c_.context_length);
   n_seq_ = std::max(1, opts.n_seq);
   max_batch_ = std::max(1, opts.max_batch);
-  MERLIN_CHECK(opts.kv_type == DType::F16 || opts.kv_type == DType::F32, "the CUDA backend keeps its KV cache in f16 "
-               "or f32 (got ", dtype_name(opts.kv_type), "); use --kv-type f16");
-  kv_elem_ = opts.kv_type == DType::F16 ? 2 : 4;
+  MERLIN_CHECK(opts.kv_type == DType::F16 || opts.kv_type == DType::F32 || opts.kv_type == DType::Q8_0,
+               "the CUDA backend keeps its KV cache in f16, f32 or q8_0 (got ", dtype_name(opts.kv_type), ")");
+  kv_q8_ = opts.kv_type == DType::Q8_0;
+  MERLIN_CHECK(!kv_q8_ || c_.head_dim() % 32 == 0, "a q8_0 KV cache needs a head size that is a multiple of 32 "
+               "(this model's is ", c_.head_dim(), ")");
+  kv_elem_ = opts.kv_type == DType::F16 ? 2 : kv_q8_ ? 1 : 4;
   MERLIN_CHECK(opts.kv_block_size > 0, "KV block size must be positive");
   block_size_ = opts.kv_block_size;
   max_blocks_ = (n_ctx_ + block_size_ - 1) / block_size_;
@@ -194,6 +203,7 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   if (const char* f = std::getenv("MERLIN_CUDA_FUSE"); f && std::string(f) == "1") fuse_prep_ = true;
   if (const char* f = std::getenv("MERLIN_CUDA_ATTN_EMIT"); f && std::string(f) == "0") attn_emits_ = false;
   if (const char* f = std::getenv("MERLIN_CUDA_ROPE_FUSE"); f && std::string(f) == "0") rope_fuse_ = false;
+  if (kv_q8_) rope_fuse_ = false;  // a Q8_0 block of 32 is quantized by rope_kv, not by product epilogues
   if (const char* k = std::getenv("MERLIN_CUDA_SPLITK"); k && std::string(k) == "0") split_attention_ = false;
   // Prefill products: from 64 tokens on, dequantizing to halves and cuBLAS beat the batched tensor-core kernel,
   // which reads each weight once per 32 tokens (docs/GPU.md). MERLIN_CUDA_GEMM_MIN=0 keeps every step on it.
@@ -229,7 +239,7 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   }
   cos_sin_ = upload_floats(cs);
 
-  const size_t kv_bytes = (size_t)n_blocks_ * block_size_ * c_.kv_dim() * kv_elem_;
+  const size_t kv_slots = (size_t)n_blocks_ * block_size_, kv_bytes = kv_slots * c_.kv_dim() * kv_elem_;
   for (int l = 0; l < c_.n_layers; ++l) {
     const LayerWeights& w = m_.layer(l);
     Layer L;
@@ -241,6 +251,10 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
     L.down = make_linear({&w.down}, stream_);
     L.k = cuda::dev_alloc(kv_bytes);
     L.v = cuda::dev_alloc(kv_bytes);
+    if (kv_q8_) {
+      L.ks = cuda::dev_alloc(kv_slots * c_.kv_dim() / 32 * 2);
+      L.vs = cuda::dev_alloc(kv_slots * c_.kv_dim() / 32 * 2);
+    }
     layers_.push_back(std::move(L));
   }
   head_ = make_linear({&m_.output()}, stream_);
@@ -295,6 +309,8 @@ CudaBackend::~CudaBackend() {
     cuda::dev_free(L.ffn_norm);
     cuda::dev_free(L.k);
     cuda::dev_free(L.v);
+    cuda::dev_free(L.ks);
+    cuda::dev_free(L.vs);
   }
   free_linear(head_);
   for (ActBuf& a : acts_) cuda::act_free(a);
@@ -470,7 +486,7 @@ void CudaBackend::enqueue(int n, int n_out, Output out) {
   for (Layer& L : layers_) {
     const int64_t qkv_ld = L.qkv.rows, gu_ld = L.gate_up.rows;
     cuda::PrepArgs norm{cuda::Prep::RmsNorm, x_, c_.dim, L.attn_norm, c_.norm_eps, 0, nullptr};
-    const cuda::KvArgs kv{L.k, L.v, kv_elem_ == 2, block_size_, max_blocks_, table_};
+    const cuda::KvArgs kv{L.k, L.v, kv_elem_ == 2, block_size_, max_blocks_, table_, kv_q8_, L.ks, L.vs};
     run_qkv(L, norm, n, pos, seq, kv);
     ActBuf* wo_in = attention_output_act(L.wo, n);  // null for tiled attention
     if (flash_now_)
@@ -574,6 +590,7 @@ int CudaBackend::run_step(const Batch& batch, Output out) {
   const bool graph_step = graphs_ && n <= kGraphMaxTokens;
   cuda::KvArgs kv_probe;
   kv_probe.f16 = kv_elem_ == 2;
+  kv_probe.q8 = kv_q8_;
   flash_now_ = !graph_step && flash_min_ > 0 && n >= flash_min_ &&
                cuda::flash_attention_supported((int)c_.head_dim(), kv_probe);
   if (flash_now_) n_tiles_ = cuda::make_attention_tiles(batch.pos.data(), batch.seq.data(), n, h_tiles_);

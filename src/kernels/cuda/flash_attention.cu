@@ -1,4 +1,5 @@
-// Tiled tensor-core attention for prefill-sized steps over an f16 paged K/V cache (ops.h, flash_attention).
+// Tiled tensor-core attention for prefill-sized steps over an f16 (or Q8_0, dequantized to f16 as the rows
+// are staged) paged K/V cache (ops.h, flash_attention).
 //
 // One CTA of 4 warps takes a tile of up to 64 query tokens that belong to one sequence at consecutive
 // positions (a run of a prompt, cut by make_attention_tiles) and one query head. It walks the sequence's
@@ -37,6 +38,22 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], u
 }
 
 // B operand (k16 x n8) of m16n8k16 from a row-major [n][k] tile in shared memory (K: [position][dim]).
+// Elements off .. off + 7 of a Q8_0 cache (codes, f16 scale per 32) as 8 halves of scale x code.
+__device__ __forceinline__ uint4 q8_halves(const void* codes, const void* scales, int64_t off) {
+  const uint2 c = *reinterpret_cast<const uint2*>(static_cast<const int8_t*>(codes) + off);
+  const float d = __half2float(static_cast<const __half*>(scales)[off >> 5]);
+  uint32_t w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t word = j < 2 ? c.x : c.y;
+    const float a = (float)(int8_t)((word >> (16 * (j & 1))) & 0xFF) * d;
+    const float b = (float)(int8_t)((word >> (16 * (j & 1) + 8)) & 0xFF) * d;
+    const __half2 h = __floats2half2_rn(a, b);
+    w[j] = *reinterpret_cast<const uint32_t*>(&h);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 __device__ __forceinline__ void ldmatrix_x2(uint32_t& b0, uint32_t& b1, const __half* p) {
   const unsigned a = (unsigned)__cvta_generic_to_shared(p);
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(b0), "=r"(b1) : "r"(a));
@@ -101,8 +118,13 @@ __global__ void __launch_bounds__(kFaWarps * 32) flash_attention_kernel(const fl
       uint4 kval = make_uint4(0, 0, 0, 0), vval = kval;
       if (p <= last_pos) {  // positions past the tile's last query may lie in unmapped blocks
         const int64_t off = slot_of(kv, tile.seq, p) * kv_dim + head_off + cc * 8;
-        kval = *reinterpret_cast<const uint4*>(static_cast<const __half*>(kv.d_k) + off);
-        vval = *reinterpret_cast<const uint4*>(static_cast<const __half*>(kv.d_v) + off);
+        if (kv.q8) {
+          kval = q8_halves(kv.d_k, kv.d_ks, off);
+          vval = q8_halves(kv.d_v, kv.d_vs, off);
+        } else {
+          kval = *reinterpret_cast<const uint4*>(static_cast<const __half*>(kv.d_k) + off);
+          vval = *reinterpret_cast<const uint4*>(static_cast<const __half*>(kv.d_v) + off);
+        }
       }
       *reinterpret_cast<uint4*>(ks + r * kStride + cc * 8) = kval;
       *reinterpret_cast<uint4*>(vs + r * kStride + cc * 8) = vval;
@@ -214,7 +236,7 @@ int make_attention_tiles(const int32_t* pos, const int32_t* seq, int n, AttnTile
 }
 
 bool flash_attention_supported(int head_dim, const KvArgs& kv) {
-  return kv.f16 && (head_dim == 32 || head_dim == 64 || head_dim == 128);
+  return (kv.f16 || kv.q8) && (head_dim == 32 || head_dim == 64 || head_dim == 128);
 }
 
 void flash_attention(const float* d_qkv, int64_t ld, const AttnTile* d_tiles, int n_tiles, int n_heads, int n_kv_heads,

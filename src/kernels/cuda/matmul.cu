@@ -649,7 +649,7 @@ bool matmul_rope_kv(const Matrix& w, const ActBuf& x, int n, float* d_qkv, int64
   MERLIN_CHECK(r.hd % 2 == 0 && r.n_rot <= r.hd && r.q_dim <= r.k_off && r.k_off + r.kv_dim <= r.v_off &&
                    r.v_off + r.kv_dim <= w.rows && ldy >= w.rows,
                "matmul_rope_kv: Q/K/V rows do not fit the matrix");
-  if (w.fmt == kF32) return false;
+  if (w.fmt == kF32 || r.kv.q8) return false;
   if (n == 1 && matvec1_rope_kv(w, x, d_qkv, r, stream)) return true;
   MmArgs p = product_args(w, x, n, d_qkv, ldy, w.rows, false);
   p.rope_on = 1;

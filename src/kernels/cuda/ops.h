@@ -147,12 +147,15 @@ void embed(DType type, const void* d_table, size_t row_bytes, int64_t dim, const
 
 // K/V cache geometry shared by rope_kv and attention.
 struct KvArgs {
-  void* d_k = nullptr;             // [n_blocks * block_size][kv_dim], F16 or F32
+  void* d_k = nullptr;             // [n_blocks * block_size][kv_dim], F16 or F32, or Q8_0 codes (int8)
   void* d_v = nullptr;
-  bool f16 = true;
+  bool f16 = true;                 // false: F32 (or Q8_0 when q8)
   int block_size = 16;
   int max_blocks = 0;              // table row length per sequence
   const int32_t* d_table = nullptr;  // [n_seq][max_blocks]
+  bool q8 = false;                 // Q8_0: int8 codes in d_k / d_v, an f16 scale per 32 in d_ks / d_vs
+  void* d_ks = nullptr;            // [n_blocks * block_size][kv_dim / 32] halves
+  void* d_vs = nullptr;
 };
 // The rope_kv step done by a QKV product's epilogue (matmul_rope_kv): q_dim = n_heads * hd rows
 // of Q from row 0, kv_dim rows of K from k_off and of V from v_off in the stacked matrix.
@@ -167,7 +170,8 @@ struct RopeKvArgs {
 // y = W x for n tokens (W the stacked QKV matrix, token t's row at d_qkv + t * ldy), then RoPE on Q and K and
 // the K/V cache write, all in the product's epilogue, with the bits matmul() followed by rope_kv() would
 // give: Q rows land in d_qkv (rotated), K and V rows only in the cache. False (nothing queued) for F32
-// weights (the plain kernel has no such epilogue); the caller then runs the two separately.
+// weights (the plain kernel has no such epilogue) and a Q8_0 cache (its blocks of 32 are quantized by
+// rope_kv); the caller then runs the two separately.
 bool matmul_rope_kv(const Matrix& w, const ActBuf& x, int n, float* d_qkv, int64_t ldy, const RopeKvArgs& r,
                     Stream stream);
 
@@ -202,7 +206,8 @@ void attention_prepare(int n_ctx);  // raises the kernel's shared-memory limit f
 
 // Tiled tensor-core attention for prefill-sized steps (flash_attention.cu): a tile is up to 64 batch tokens
 // first .. first + count - 1 of one sequence at positions pos0 .. pos0 + count - 1. Same result as attention()
-// up to f16 rounding of the softmax weights; needs an f16 cache and a head size of 32, 64 or 128.
+// up to f16 rounding of the softmax weights (and, with a Q8_0 cache, of the dequantized K/V); needs an f16
+// or Q8_0 cache and a head size of 32, 64 or 128.
 struct AttnTile {
   int32_t first, count, seq, pos0;
 };
