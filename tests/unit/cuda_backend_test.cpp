@@ -292,6 +292,20 @@ void expect_greedy_matches_logits(Backend& b, const Batch& batch, size_t vocab) 
   for (size_t r = 0; r < ids.size(); ++r) EXPECT_EQ(ids[r], argmax(logits.data() + r * vocab, (int64_t)vocab)) << "row " << r;
 }
 
+// A 40-token step over three sequences (more than a graph bucket: eager), then three decode steps of the three
+// sequences (graph-replayed); check(batch, index of the step).
+template <class Check>
+void for_each_test_step(Check check) {
+  Batch prompt;
+  for (int i = 0; i < 40; ++i) prompt.add(7 + 131 * i, i, i % 3, i % 4 == 1);
+  check(prompt, 0);
+  for (int s = 0; s < 3; ++s) {
+    Batch d;
+    for (int q = 0; q < 3; ++q) d.add(300 + 11 * s + q, 14 + s, q, true);
+    check(d, 1 + s);
+  }
+}
+
 // forward_sample against forward() and the host's sample_row on the same logits (tempered and greedy rows,
 // filters, a logit bias and a penalty).
 void expect_sampled_matches_logits(Backend& b, const Batch& batch, size_t vocab, uint32_t seed) {
@@ -330,14 +344,7 @@ TEST(CudaBackend, SampledIdsOnDeviceMatchHostSampling) {
     auto m = Model::load(Models::get().path(t));
     auto gpu = make_backend("cuda", *m, opts_with(3));
     const size_t vocab = (size_t)m->config().vocab_size;
-    Batch prompt;
-    for (int i = 0; i < 40; ++i) prompt.add(7 + 131 * i, i, i % 3, i % 4 == 1);  // 40 > graph bucket: eager
-    expect_sampled_matches_logits(*gpu, prompt, vocab, 1);
-    for (int s = 0; s < 3; ++s) {  // decode steps of three sequences (graphs)
-      Batch d;
-      for (int q = 0; q < 3; ++q) d.add(300 + 11 * s + q, 14 + s, q, true);
-      expect_sampled_matches_logits(*gpu, d, vocab, 2 + s);
-    }
+    for_each_test_step([&](const Batch& b, int i) { expect_sampled_matches_logits(*gpu, b, vocab, 1 + (uint32_t)i); });
   }
 }
 
@@ -350,14 +357,7 @@ TEST(CudaBackend, GreedyIdsOnDeviceMatchHostArgmax) {
     auto m = Model::load(Models::get().path(t));
     auto gpu = make_backend("cuda", *m, opts_with(3));
     const size_t vocab = (size_t)m->config().vocab_size;
-    Batch prompt;
-    for (int i = 0; i < 40; ++i) prompt.add(7 + 131 * i, i, i % 3, i % 4 == 1);  // 40 > graph bucket: eager
-    expect_greedy_matches_logits(*gpu, prompt, vocab);
-    for (int s = 0; s < 3; ++s) {  // decode steps of three sequences (graphs)
-      Batch d;
-      for (int q = 0; q < 3; ++q) d.add(300 + 11 * s + q, 14 + s, q, true);
-      expect_greedy_matches_logits(*gpu, d, vocab);
-    }
+    for_each_test_step([&](const Batch& b, int) { expect_greedy_matches_logits(*gpu, b, vocab); });
   }
 }
 

@@ -575,6 +575,26 @@ TEST(CudaKernels, SampleRowsMatchesHostSampleRow) {
   }
 }
 
+namespace {
+
+cu::RopeKvArgs rope_args(const int32_t* d_pos, const int32_t* d_seq, const float* d_cs, int64_t q_dim, int64_t kv_dim,
+                         int64_t k_off, int64_t v_off, int hd, int n_rot, const cu::KvArgs& kv) {
+  cu::RopeKvArgs r;
+  r.d_pos = d_pos;
+  r.d_seq = d_seq;
+  r.d_cos_sin = d_cs;
+  r.q_dim = q_dim;
+  r.kv_dim = kv_dim;
+  r.k_off = k_off;
+  r.v_off = v_off;
+  r.hd = hd;
+  r.n_rot = n_rot;
+  r.kv = kv;
+  return r;
+}
+
+}  // namespace
+
 // rope_kv into a Q8_0 cache: the codes and f16 scales the CPU's quantize_row_q8_0 makes of the rows it writes
 // into an f32 cache (GQA, a partial rotary dimension, shuffled blocks); the fused QKV epilogues refuse it.
 TEST(CudaKernels, RopeKvQuantizesAQ8CacheAsTheCpu) {
@@ -620,17 +640,8 @@ TEST(CudaKernels, RopeKvQuantizesAQ8CacheAsTheCpu) {
   const cu::MatrixPart part{DType::Q4_0, wm.data(), ld, 256, dtype_row_bytes(DType::Q4_0, 256)};
   cu::Matrix m = cu::upload_matrix(&part, 1, nullptr);
   cu::ActBuf a = cu::act_alloc(m.act(), 256, 1);
-  cu::RopeKvArgs r;
-  r.d_pos = d_pos;
-  r.d_seq = d_seq;
-  r.d_cos_sin = d_cs.p;
-  r.q_dim = q_dim;
-  r.kv_dim = kv_dim;
-  r.k_off = cu::padded_rows(q_dim);
-  r.v_off = r.k_off + cu::padded_rows(kv_dim);
-  r.hd = hd;
-  r.n_rot = 32;
-  r.kv = q8;
+  const int64_t pk = cu::padded_rows(q_dim);
+  const cu::RopeKvArgs r = rope_args(d_pos, d_seq, d_cs.p, q_dim, kv_dim, pk, pk + cu::padded_rows(kv_dim), hd, 32, q8);
   DevFloats y(std::vector<float>((size_t)m.rows, 0.f));
   EXPECT_FALSE(cu::matmul_rope_kv(m, a, 1, y.p, m.rows, r, nullptr));
   cu::act_free(a);
@@ -692,17 +703,7 @@ TEST(CudaKernels, FusedRopeKvMatchesSeparateKernel) {
             cu::matmul(m, a, n, y_ref.p, m.rows, m.rows, false, nullptr);
             cu::rope_kv(y_ref.p, m.rows, k_off, v_off, n, d_pos, d_seq, d_cs.p, sh.n_heads, sh.n_kv, hd, n_rot, kv_ref,
                         nullptr);
-            cu::RopeKvArgs r;
-            r.d_pos = d_pos;
-            r.d_seq = d_seq;
-            r.d_cos_sin = d_cs.p;
-            r.q_dim = q_dim;
-            r.kv_dim = kv_dim;
-            r.k_off = k_off;
-            r.v_off = v_off;
-            r.hd = hd;
-            r.n_rot = n_rot;
-            r.kv = kv_fused;
+            cu::RopeKvArgs r = rope_args(d_pos, d_seq, d_cs.p, q_dim, kv_dim, k_off, v_off, hd, n_rot, kv_fused);
             ASSERT_TRUE(cu::matmul_rope_kv(m, a, n, y_fused.p, m.rows, r, nullptr));
             cu::sync_device();
             const auto y_r = download(y_ref.p, zero_y.size()), y_f = download(y_fused.p, zero_y.size());
