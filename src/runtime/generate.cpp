@@ -32,9 +32,43 @@ std::vector<float> prefill(const Model& model, Backend& backend, const std::vect
 
 namespace {
 
-// The prompt's next token under greedy sampling: the prompt runs like prefill(), and only the last chunk asks
-// for its row, through forward_greedy, so logits never leave the backend.
-int32_t prefill_greedy(const Model& model, Backend& backend, const std::vector<int32_t>& tokens, int seq) {
+// How a step's one logits row becomes the next token: the backend's argmax when sampling is plain greedy;
+// on a backend that samples where its logits are (a GPU), the sampler's draw as a RowSampling, so only the
+// id comes back (not with a repetition penalty, which RowSampling does not carry); otherwise the logits
+// come back and Sampler::sample picks.
+class TokenPicker {
+ public:
+  TokenPicker(Backend& backend, Sampler& sampler, int64_t vocab)
+      : backend_(backend), sampler_(sampler), vocab_(vocab),
+        greedy_(sampler.options().temperature <= 0.0f && sampler.options().repeat_penalty == 1.0f),
+        on_backend_(backend.samples_where_logits_are()) {}
+
+  int32_t pick(const Batch& batch) {
+    int32_t token = 0;
+    if (greedy_) {  // Sampler::sample() reduces to argmax() for these options (sampler.cpp)
+      backend_.forward_greedy(batch, vocab_, &token);
+      return token;
+    }
+    RowSampling row;
+    if (on_backend_ && sampler_.row_sampling(row)) {
+      backend_.forward_sample(batch, vocab_, std::span<const RowSampling>(&row, 1), {}, &token);
+      return token;
+    }
+    logits_.resize((size_t)vocab_);
+    backend_.forward(batch, logits_.data());
+    return sampler_.sample(logits_.data(), vocab_);
+  }
+
+ private:
+  Backend& backend_;
+  Sampler& sampler_;
+  int64_t vocab_;
+  bool greedy_, on_backend_;
+  std::vector<float> logits_;
+};
+
+// The prompt's next token: the prompt runs like prefill(), and only the last chunk asks for its row.
+int32_t prefill_pick(Backend& backend, const std::vector<int32_t>& tokens, int seq, TokenPicker& picker) {
   const int n = (int)tokens.size();
   MERLIN_CHECK(n > 0, "nothing to evaluate: the prompt is empty");
   MERLIN_CHECK(n <= backend.n_ctx(), "prompt of ", n, " tokens does not fit in the context of ", backend.n_ctx(),
@@ -46,15 +80,12 @@ int32_t prefill_greedy(const Model& model, Backend& backend, const std::vector<i
     batch.clear();
     for (int i = i0; i < i1; ++i) batch.add(tokens[i], i, seq, i == n - 1);
     if (i1 == n)
-      backend.forward_greedy(batch, model.config().vocab_size, &next);
+      next = picker.pick(batch);
     else
       backend.forward(batch, nullptr);
   }
   return next;
 }
-
-// Sampler::sample() reduces to argmax() for these options (sampler.cpp), so the backend may pick the token.
-bool is_plain_greedy(const SamplerOptions& o) { return o.temperature <= 0.0f && o.repeat_penalty == 1.0f; }
 
 }  // namespace
 
@@ -66,16 +97,11 @@ GenerateStats generate(const Model& model, Backend& backend, const std::vector<i
   const int32_t eos = model.tokenizer().eos_id();
   Sampler sampler(opts.sampling);
   for (int32_t t : prompt) sampler.accept(t);
+  TokenPicker picker(backend, sampler, vocab);
 
-  const bool greedy = is_plain_greedy(opts.sampling);
   backend.clear_sequence(opts.seq);
   double t0 = now_seconds();
-  std::vector<float> logits;
-  int32_t greedy_tok = 0;
-  if (greedy)
-    greedy_tok = prefill_greedy(model, backend, prompt, opts.seq);
-  else
-    logits = prefill(model, backend, prompt, opts.seq, 0, false);
+  int32_t tok = prefill_pick(backend, prompt, opts.seq, picker);
   std::vector<int32_t> seq_tokens = prompt;
   Batch batch;
   st.stop_reason = "length";
@@ -88,19 +114,12 @@ GenerateStats generate(const Model& model, Backend& backend, const std::vector<i
       if (opts.use_kv_cache) {
         batch.clear();
         batch.add(seq_tokens.back(), (int)seq_tokens.size() - 1, opts.seq, true);
-        if (greedy)
-          backend.forward_greedy(batch, vocab, &greedy_tok);
-        else
-          backend.forward(batch, logits.data());
+        tok = picker.pick(batch);
       } else {
         backend.clear_sequence(opts.seq);
-        if (greedy)
-          greedy_tok = prefill_greedy(model, backend, seq_tokens, opts.seq);
-        else
-          logits = prefill(model, backend, seq_tokens, opts.seq, 0, false);
+        tok = prefill_pick(backend, seq_tokens, opts.seq, picker);
       }
     }
-    const int32_t tok = greedy ? greedy_tok : sampler.sample(logits.data(), vocab);
     if (i == 0) {
       st.prompt_seconds = now_seconds() - t0;
       t0 = now_seconds();

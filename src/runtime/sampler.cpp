@@ -71,6 +71,17 @@ void Sampler::top_p_min_p(std::vector<Candidate>& c) const {
   c.resize(std::max<size_t>(1, keep));
 }
 
+bool Sampler::row_sampling(RowSampling& out) {
+  if (opts_.repeat_penalty != 1.0f && !recent_.empty()) return false;
+  out = RowSampling{};
+  out.temperature = opts_.temperature;
+  out.top_k = opts_.top_k;
+  out.top_p = opts_.top_p;
+  out.min_p = opts_.min_p;
+  if (opts_.temperature > 0.0f) out.u = rng_.uniform_double();
+  return true;
+}
+
 int32_t Sampler::sample(const float* logits, int64_t n_vocab) {
   if (opts_.temperature <= 0.0f && opts_.repeat_penalty == 1.0f) return argmax(logits, n_vocab);
   cand_.resize((size_t)n_vocab);

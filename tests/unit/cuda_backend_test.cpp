@@ -7,6 +7,7 @@
 #include <cstring>
 #include <map>
 #include <numeric>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -358,6 +359,50 @@ TEST(CudaBackend, GreedyIdsOnDeviceMatchHostArgmax) {
     auto gpu = make_backend("cuda", *m, opts_with(3));
     const size_t vocab = (size_t)m->config().vocab_size;
     for_each_test_step([&](const Batch& b, int) { expect_greedy_matches_logits(*gpu, b, vocab); });
+  }
+}
+
+// generate() with sampling on the GPU draws on the device (TokenPicker + forward_sample): the same tokens as a
+// host loop over a twin backend's forward() logits with sample_row and a twin Sampler's uniforms, 48 steps
+// (the K/V cache growing); with a repetition penalty it falls back to logits and Sampler::sample.
+TEST(CudaBackend, GenerateSamplesOnTheDevice) {
+  REQUIRE_GPU();
+  auto m = Model::load(Models::get().path(DType::Q8_0));
+  const int64_t vocab = m->config().vocab_size;
+  std::vector<int32_t> prompt = {m->tokenizer().bos_id() >= 0 ? m->tokenizer().bos_id() : 0};
+  for (int32_t id : m->tokenizer().encode("Once upon a time, there was a little", false)) prompt.push_back(id);
+  for (float penalty : {1.0f, 1.3f}) {
+    SCOPED_TRACE(penalty);
+    GenerateOptions go;
+    go.n_predict = 48;
+    go.stop_at_eos = false;
+    go.sampling = SamplerOptions{0.9f, 40, 0.95f, 0.02f, penalty, 64, 1234};
+    auto gpu = make_backend("cuda", *m, opts_with());
+    std::vector<int32_t> got;
+    generate(*m, *gpu, prompt, go, [&](int32_t id) {
+      got.push_back(id);
+      return true;
+    });
+    auto twin = make_backend("cuda", *m, opts_with());
+    Sampler sampler(go.sampling);
+    for (int32_t t : prompt) sampler.accept(t);
+    std::vector<float> logits = prefill(*m, *twin, prompt, 0, 0, false);
+    std::vector<int32_t> want;
+    SampleScratch scratch;
+    for (int i = 0; i < go.n_predict; ++i) {
+      if (i > 0) {
+        Batch b;
+        b.add(want.back(), (int)(prompt.size() + want.size()) - 1, 0, true);
+        twin->forward(b, logits.data());
+      }
+      RowSampling r;
+      const int32_t tok = sampler.row_sampling(r) ? sample_row(logits.data(), vocab, r, nullptr, scratch)
+                                                  : sampler.sample(logits.data(), vocab);
+      sampler.accept(tok);
+      want.push_back(tok);
+    }
+    EXPECT_EQ(got, want);
+    EXPECT_GT(std::set<int32_t>(got.begin(), got.end()).size(), 8u);  // sampled, not a loop of one token
   }
 }
 

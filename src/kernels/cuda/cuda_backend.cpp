@@ -92,6 +92,7 @@ class CudaBackend final : public Backend {
   void forward_greedy(const Batch& batch, int64_t n_vocab, int32_t* tokens) override;
   void forward_sample(const Batch& batch, int64_t n_vocab, std::span<const RowSampling> rows,
                       std::span<const LogitAdjust> adjust, int32_t* tokens) override;
+  bool samples_where_logits_are() const override { return true; }
   void clear_sequence(int seq) override {
     MERLIN_CHECK(seq >= 0 && seq < n_seq_, "sequence ", seq, " out of range");  // cached rows are overwritten
   }

@@ -77,6 +77,7 @@ __device__ float block_max(float v) {
 }
 
 // Exclusive prefix sum of v over the CTA's threads in thread order, and the total (fixed order: deterministic).
+// One thread writes *total before the scan's last barrier: it must point to shared memory.
 __device__ double block_exclusive_scan(double v, double* total) {
   __shared__ double warps[kThreads / 32];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -289,7 +290,7 @@ __device__ int32_t draw_filtered(const float* row, int64_t n, const RowSampling&
   if (n_kept > n_valid) return -1;
   n_kept = max(n_kept, (int64_t)1);
   const double w = j < n_kept ? exp((double)(l - mx) * (1.0 / (double)rs.temperature)) : 0.0;
-  double sum;
+  __shared__ double sum;  // written by one thread of the scan: shared, or the others read garbage
   const double before = block_exclusive_scan(w, &sum);
   __shared__ int32_t pick;
   if (j == 0) pick = cand_id(cand[n_kept - 1]);  // the host loop's answer when rounding leaves r >= 0
