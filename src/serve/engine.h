@@ -41,6 +41,7 @@ struct TokenEvent {
   float logprob = 0.0f;  // log-softmax of the unmodified logits (as OpenAI reports)
   std::vector<std::pair<int32_t, float>> top_logprobs;  // most likely first
   FinishReason finish = FinishReason::None;  // set on the last event of the request
+  bool prompt = false;  // a scored prompt token (GenerationRequest::prompt_logprobs), not a generated one
   std::string error;  // with FinishReason::Error
 };
 
@@ -50,6 +51,11 @@ struct GenerationRequest {
   int max_tokens = 16;            // new tokens; submit() rejects prompt + max_tokens > n_ctx
   SamplingParams sampling;
   bool stop_at_eos = true;        // the model's EOS token ends the request with FinishReason::Stop
+  // Also score the prompt (OpenAI completions' echo with logprobs): one event with `prompt` set per prompt
+  // token after the first, before any generated token, with its log-probability given the tokens before it
+  // and sampling.top_logprobs alternatives. The prompt is then computed whole (no prefix-cache reuse), and
+  // max_tokens may be 0.
+  bool prompt_logprobs = false;
 };
 
 // One request's output. The engine thread pushes, one consumer pops; cancel() may be called from any thread.

@@ -9,7 +9,7 @@
 namespace merlin::serve {
 
 ChoiceRun::ChoiceRun(int index, std::shared_ptr<RequestStream> stream, const Tokenizer& tok, const PreparedPrompts& prepared,
-                     int32_t last_prompt_token, bool logprobs)
+                     int32_t last_prompt_token, bool logprobs, const std::vector<int32_t>* echo)
     : index_(index),
       stream_(std::move(stream)),
       tok_(tok),
@@ -19,13 +19,54 @@ ChoiceRun::ChoiceRun(int index, std::shared_ptr<RequestStream> stream, const Tok
       text_(prepared.stop_strings),
       prev_(last_prompt_token) {
   output_.index = index;
+  if (!echo) return;
+  // The prompt's text in the same token-by-token decoding as generated text; generated tokens' offsets
+  // follow it.
+  echo_pending_ = true;
+  echo_tokens_ = *echo;
+  int32_t prev = -1;
+  for (int32_t id : *echo) {
+    const std::string bytes = tok_.decode_token(id, prev);
+    if (want_logprobs_) prompt_logprobs_.push_back(TokenLogprob{bytes, 0.0f, {}, echo_text_.size(), true});
+    echo_text_ += bytes;
+    prev = id;
+  }
+  if (!prompt_logprobs_.empty()) prompt_logprobs_[0].has_logprob = false;
+  raw_offset_ = echo_text_.size();
+}
+
+// The echoed prompt goes out first: its text at once, its log-probabilities once every token is scored.
+void ChoiceRun::release_echo(ChoiceDelta& delta) {
+  if (!echo_pending_) return;
+  if (!echo_text_.empty()) {
+    delta.text += echo_text_;
+    output_.text += echo_text_;
+    echo_text_.clear();
+  }
+  if (n_prompt_scored_ < prompt_logprobs_.size()) return;
+  delta.logprobs.insert(delta.logprobs.end(), prompt_logprobs_.begin(), prompt_logprobs_.end());
+  output_.logprobs.insert(output_.logprobs.end(), prompt_logprobs_.begin(), prompt_logprobs_.end());
+  prompt_logprobs_.clear();
+  echo_pending_ = false;
+}
+
+void ChoiceRun::on_prompt_token(const TokenEvent& ev, ChoiceDelta& delta) {
+  if (n_prompt_scored_ < prompt_logprobs_.size()) {
+    const int32_t prev = echo_tokens_[n_prompt_scored_ - 1];  // alternatives decode after the token before
+    TokenLogprob& lp = prompt_logprobs_[n_prompt_scored_++];
+    lp.logprob = ev.logprob;
+    for (const auto& [id, p] : ev.top_logprobs) lp.top.emplace_back(tok_.decode_token(id, prev), p);
+  }
+  release_echo(delta);
 }
 
 bool ChoiceRun::poll(std::chrono::milliseconds wait, ChoiceDelta& delta) {
   if (done_) return false;
   TokenEvent ev;
   if (!stream_->next(ev, wait)) return false;
-  if (ev.token >= 0) on_token(ev, delta);
+  release_echo(delta);
+  if (ev.prompt) on_prompt_token(ev, delta);
+  else if (ev.token >= 0) on_token(ev, delta);
   if (!done_ && ev.finish != FinishReason::None) on_finish(ev.finish, ev.error, delta);
   return true;
 }
@@ -101,6 +142,7 @@ Generation::Generation(Engine& engine, const Tokenizer& tok, const CompletionPar
       req.max_tokens = prepared_.max_tokens;
       req.sampling = params.sampling;
       req.stop_at_eos = prepared_.stop_at_eos;
+      req.prompt_logprobs = params.echo && params.logprobs();
       // Same seed for every choice would give n identical answers; choice i uses seed + i.
       if (req.sampling.seed) req.sampling.seed = *req.sampling.seed + (uint64_t)index;
       std::shared_ptr<RequestStream> stream;
@@ -114,7 +156,7 @@ Generation::Generation(Engine& engine, const Tokenizer& tok, const CompletionPar
         throw ApiError(400, e.what(), "", "invalid_value");
       }
       runs_.push_back(std::make_unique<ChoiceRun>(index, std::move(stream), tok, prepared_, prepared_.prompts[p].back(),
-                                                  params.logprobs()));
+                                                  params.logprobs(), params.echo ? &prepared_.prompts[p] : nullptr));
     }
   }
 }

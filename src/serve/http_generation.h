@@ -31,8 +31,10 @@ struct ChoiceDelta {
 
 class ChoiceRun {
  public:
+  // echo (completions' echo, null otherwise): the prompt's tokens, whose text comes first in the output and,
+  // with logprobs, whose log-probabilities the engine sends as prompt events (GenerationRequest::prompt_logprobs).
   ChoiceRun(int index, std::shared_ptr<RequestStream> stream, const Tokenizer& tok, const PreparedPrompts& prepared,
-            int32_t last_prompt_token, bool logprobs);
+            int32_t last_prompt_token, bool logprobs, const std::vector<int32_t>* echo = nullptr);
 
   // Waits up to `wait` for the next token event and folds it into `delta`; false when none came.
   bool poll(std::chrono::milliseconds wait, ChoiceDelta& delta);
@@ -49,6 +51,8 @@ class ChoiceRun {
 
  private:
   void on_token(const TokenEvent& ev, ChoiceDelta& delta);
+  void on_prompt_token(const TokenEvent& ev, ChoiceDelta& delta);
+  void release_echo(ChoiceDelta& delta);
   void on_finish(FinishReason reason, const std::string& error, ChoiceDelta& delta);
   void finish(const std::string& reason, ChoiceDelta& delta);
   bool is_stop_token(int32_t id) const;
@@ -63,6 +67,13 @@ class ChoiceRun {
   int32_t prev_;  // the token before the next one, for decoding in context
   size_t raw_offset_ = 0;  // bytes of token text decoded so far
   std::vector<TokenLogprob> held_logprobs_;  // of tokens whose text is still held back
+  // Echo: the prompt's text, not yet in the output, and its tokens' log-probability entries (the first has
+  // none), released once the engine has scored the last of them.
+  std::vector<int32_t> echo_tokens_;
+  std::string echo_text_;
+  bool echo_pending_ = false;
+  std::vector<TokenLogprob> prompt_logprobs_;
+  size_t n_prompt_scored_ = 1;
   int n_generated_ = 0;
   bool done_ = false;
   std::string error_;

@@ -268,7 +268,10 @@ CompletionParams parse_completion_params(const json& body, ApiKind kind, const R
     max_new = get_integer(body, "max_tokens", std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max());
     max_name = "max_tokens";
   }
-  if (max_new && *max_new < 1) bad_value(max_name, cat("expected a value >= 1, but got ", *max_new, " instead."));
+  p.echo = kind == ApiKind::Completion && get_bool(body, "echo").value_or(false);
+  const int min_new = p.echo ? 0 : 1;  // with echo, 0 new tokens scores the prompt alone
+  if (max_new && *max_new < min_new)
+    bad_value(max_name, cat("expected a value >= ", min_new, ", but got ", *max_new, " instead."));
   if (max_new) p.max_tokens = (int)*max_new;
   p.n = (int)get_integer(body, "n", 1, limits.max_n).value_or(1);
   const size_t n_prompts = kind == ApiKind::Chat ? 1 : p.prompts.size();

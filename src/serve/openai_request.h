@@ -55,6 +55,9 @@ struct CompletionParams {
   bool stream = false;
   bool include_usage = false;
   bool ignore_eos = false;  // llama.cpp's extension: generate max_tokens even past end-of-text (benchmarks)
+  // Completions: the prompt's text comes back before the generated text, with log-probabilities of its tokens
+  // when logprobs is set (the first one null); max_tokens may then be 0 (score a text without generating).
+  bool echo = false;
   bool logprobs() const { return sampling.top_logprobs >= 0; }
 };
 

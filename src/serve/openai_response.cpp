@@ -44,6 +44,12 @@ json completion_logprobs(const std::vector<TokenLogprob>& entries) {
   json tokens = json::array(), token_logprobs = json::array(), top = json::array(), offsets = json::array();
   for (const TokenLogprob& e : entries) {
     tokens.push_back(sanitize_utf8(e.bytes));
+    offsets.push_back(e.text_offset);
+    if (!e.has_logprob) {  // an echoed prompt's first token: nothing before it to condition on
+      token_logprobs.push_back(nullptr);
+      top.push_back(nullptr);
+      continue;
+    }
     token_logprobs.push_back(e.logprob);
     json alternatives = json::object();
     for (const auto& [text, lp] : e.top) {
@@ -51,7 +57,6 @@ json completion_logprobs(const std::vector<TokenLogprob>& entries) {
       if (!alternatives.contains(key)) alternatives[key] = lp;  // two ids can decode alike; keep the likelier
     }
     top.push_back(std::move(alternatives));
-    offsets.push_back(e.text_offset);
   }
   return {{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top}, {"text_offset", offsets}};
 }

@@ -21,6 +21,7 @@ struct TokenLogprob {
   float logprob = 0;
   std::vector<std::pair<std::string, float>> top;  // alternatives' bytes and log-probabilities, most likely first
   size_t text_offset = 0;  // byte offset of the token in the choice's text
+  bool has_logprob = true;  // false for an echoed prompt's first token (null in the response)
 };
 
 struct ChoiceOutput {

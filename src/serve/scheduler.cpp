@@ -58,6 +58,7 @@ struct Scheduler::Sequence {
   std::vector<int32_t> tokens;  // prompt, then every sampled token; K/V exist for tokens[0 .. n_computed)
   int n_prompt = 0;
   int n_computed = 0;
+  int n_scored = 1;             // prompt_logprobs: prompt tokens [1, n_scored) have had their event
   int n_generated = 0;
   std::vector<int32_t> blocks;  // block table: logical block i -> physical block
   int n_registered = 0;         // leading full blocks already offered to the prefix cache
@@ -164,7 +165,7 @@ void Scheduler::drop_cancelled() {
 void Scheduler::admit() {
   while (!waiting_.empty()) {
     Sequence& s = *waiting_.front();
-    if (s.request().max_tokens == 0) {  // nothing to generate: no need to compute the prompt at all
+    if (s.request().max_tokens == 0 && !s.request().prompt_logprobs) {  // nothing to generate or score
       finish(s, final_event(FinishReason::Length));
       waiting_.pop_front();
       continue;
@@ -190,8 +191,10 @@ bool Scheduler::try_admit(Sequence& s) {
   const auto slot = std::find(slot_used_.begin(), slot_used_.end(), 0);
   if (slot == slot_used_.end()) return false;
   const int n = (int)s.tokens.size();
-  // At least the last token is computed again: its logits give the next token.
-  std::vector<int32_t> hit = cache_.match(s.tokens, (n - 1) / block_size_);
+  // At least the last token is computed again: its logits give the next token. A prompt still to be scored
+  // is computed whole: cached blocks would skip the rows that score it.
+  const bool scoring = s.request().prompt_logprobs && s.n_scored < s.n_prompt;
+  std::vector<int32_t> hit = cache_.match(s.tokens, scoring ? 0 : (n - 1) / block_size_);
   const int need = blocks_for(n, block_size_) - (int)hit.size();
   if (cache_.n_available() < need) {
     for (int32_t b : hit) cache_.release(b);
@@ -281,12 +284,18 @@ void Scheduler::preempt(Sequence& s) {
 }
 
 void Scheduler::add_tokens(Sequence& s, int n) {
+  // The last chunk's last row samples the next token (none when max_tokens is 0); with prompt_logprobs, the
+  // row of position p also scores prompt token p + 1 (those not scored before a preemption).
   const bool last_chunk = n == s.remaining();
+  const bool sample = last_chunk && s.request().max_tokens > 0;
+  int n_score = 0;
   for (int i = 0; i < n; ++i) {
     const int p = s.n_computed + i;
-    batch_.add(s.tokens[(size_t)p], p, s.slot, last_chunk && i == n - 1);
+    const bool score = s.request().prompt_logprobs && p + 1 < s.n_prompt && p + 1 >= s.n_scored;
+    n_score += score;
+    batch_.add(s.tokens[(size_t)p], p, s.slot, score || (sample && i == n - 1));
   }
-  rows_.push_back(Row{&s, n, last_chunk});
+  rows_.push_back(Row{&s, n, sample, n_score});
   s.in_batch = true;
 }
 
@@ -296,6 +305,7 @@ void Scheduler::add_tokens(Sequence& s, int n) {
 // greedy_token: the first index of the largest logit.
 bool Scheduler::greedy_step() const {
   for (const Row& r : rows_) {
+    if (r.n_score > 0) return false;  // scoring needs the logits rows
     if (!r.logits) continue;
     const SamplingParams& p = r.seq->request().sampling;
     if (p.temperature > 0 || p.presence_penalty != 0 || p.frequency_penalty != 0 || p.top_logprobs >= 0 ||
@@ -315,6 +325,7 @@ bool Scheduler::backend_sample_step() const {
   }();
   if (!enabled) return false;
   for (const Row& r : rows_) {
+    if (r.n_score > 0) return false;
     if (!r.logits) continue;
     if (r.seq->request().sampling.top_logprobs >= 0) return false;
   }
@@ -338,6 +349,8 @@ void Scheduler::run_batch() {
       build_row_sampling();
       backend_.forward_sample(batch_, vocab_, sample_rows_, sample_adjust_, greedy_tokens_.data());
     } else {
+      // Scoring rows (prompt_logprobs) give a sequence more than one row.
+      logits_.resize(std::max(logits_.size(), batch_.n_logits() * (size_t)vocab_));
       backend_.forward(batch_, logits_.data());
     }
   } catch (const std::exception& e) {
@@ -350,6 +363,10 @@ void Scheduler::run_batch() {
     if (greedy || on_backend) {
       after_forward(*r.seq, r.n_fed, nullptr, r.logits ? *token++ : -1);
       continue;
+    }
+    if (r.n_score > 0) {
+      score_prompt(*r.seq, row, r.n_score);
+      row += (size_t)r.n_score * vocab_;
     }
     after_forward(*r.seq, r.n_fed, r.logits ? row : nullptr);
     if (r.logits) row += vocab_;
@@ -365,6 +382,10 @@ void Scheduler::run_batch() {
 void Scheduler::after_forward(Sequence& s, int n_fed, const float* logits, int32_t token) {
   s.n_computed += n_fed;
   register_full_blocks(s);
+  if (s.request().max_tokens == 0) {  // only scoring the prompt: done once it is computed
+    if (s.n_computed >= s.n_prompt) finish(s, final_event(FinishReason::Length));
+    return;
+  }
   if (logits) {
     sample(s, logits);
   } else if (token >= 0) {
@@ -401,6 +422,19 @@ void Scheduler::sample(Sequence& s, const float* logits) {
   if (req.sampling.top_logprobs >= 0)
     ev.logprob = token_logprob(logits, vocab_, ev.token, req.sampling.top_logprobs, &ev.top_logprobs);
   emit(s, std::move(ev));
+}
+
+// Rows of positions n_scored - 1, n_scored, ...: prompt token p + 1's log-probability given tokens 0..p.
+void Scheduler::score_prompt(Sequence& s, const float* rows, int n_rows) {
+  const int top_n = std::max(s.request().sampling.top_logprobs, 0);
+  for (int i = 0; i < n_rows; ++i) {
+    TokenEvent ev;
+    ev.prompt = true;
+    ev.token = s.tokens[(size_t)s.n_scored];
+    ev.logprob = token_logprob(rows + (size_t)i * vocab_, vocab_, ev.token, top_n, &ev.top_logprobs);
+    s.stream->push(std::move(ev), events_per_wakeup());
+    ++s.n_scored;
+  }
 }
 
 void Scheduler::emit(Sequence& s, TokenEvent ev) {

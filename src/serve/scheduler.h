@@ -104,6 +104,7 @@ class Scheduler {
   // logits: the row's logits, or null with `token` the backend's greedy pick (or -1: no row).
   void after_forward(Sequence& s, int n_fed, const float* logits, int32_t token = -1);
   void sample(Sequence& s, const float* logits);
+  void score_prompt(Sequence& s, const float* rows, int n_rows);
   void emit(Sequence& s, TokenEvent ev);  // the sampled token: append, stream, finish
   bool greedy_step() const;
   bool backend_sample_step() const;
@@ -131,7 +132,8 @@ class Scheduler {
   struct Row {
     Sequence* seq;
     int n_fed;
-    bool logits;
+    bool logits;      // the last fed token's row samples the next token
+    int n_score = 0;  // rows before it that score prompt tokens (prompt_logprobs)
   };
   std::vector<Row> rows_;
   std::vector<float> logits_;

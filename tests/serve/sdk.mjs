@@ -130,6 +130,27 @@ async function testLogprobs() {
         "greedy: the chosen token is the most likely alternative");
     equal(lp.text_offset[0], 0, "text_offset starts at 0");
 
+    // echo: the prompt comes back first; with logprobs every prompt token is scored (the first one null), and
+    // max_tokens 0 scores a text without generating (what evaluation harnesses send).
+    const e = await client.completions.create({model: "m", prompt: PROMPT, max_tokens: 3, temperature: 0, logprobs: 1, echo: true});
+    const elp = e.choices[0].logprobs;
+    check(e.choices[0].text.startsWith(PROMPT) && e.choices[0].text.slice(PROMPT.length) === r.choices[0].text.slice(0, e.choices[0].text.length - PROMPT.length),
+        "echo: the prompt, then the same greedy text");
+    equal(elp.tokens.length, e.usage.prompt_tokens + e.usage.completion_tokens, "echo logprobs: prompt and generated tokens");
+    equal(elp.tokens.join(""), e.choices[0].text, "echo logprob tokens spell the text");
+    equal(elp.token_logprobs[0], null, "the first prompt token has no log-probability");
+    equal(elp.top_logprobs[0], null, "nor alternatives");
+    check(elp.token_logprobs.slice(1).every((x) => typeof x === "number" && x <= 0), "the other tokens' are numbers <= 0");
+    const es = await collect(await client.completions.create({model: "m", prompt: PROMPT, max_tokens: 3, temperature: 0,
+        logprobs: 1, echo: true, stream: true}));
+    equal(es.text[0], e.choices[0].text, "streamed echo: the same text");
+    equal(es.logprobs[0], elp.tokens, "streamed echo: the same logprob tokens");
+    const score = await client.completions.create({model: "m", prompt: PROMPT, max_tokens: 0, logprobs: 0, echo: true});
+    equal(score.choices[0].text, PROMPT, "max_tokens 0 with echo: the prompt only");
+    equal(score.usage.completion_tokens, 0, "max_tokens 0 with echo: nothing generated");
+    equal(score.choices[0].logprobs.token_logprobs.slice(1), elp.token_logprobs.slice(1, score.usage.prompt_tokens),
+        "scoring alone and with generation agree");
+
     const c = await client.chat.completions.create({model: "m", messages: MESSAGES, max_tokens: 5, temperature: 0, logprobs: true, top_logprobs: 2});
     const content = c.choices[0].logprobs.content;
     equal(content.length, c.usage.completion_tokens, "chat logprobs: one entry per token");

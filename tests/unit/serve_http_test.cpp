@@ -141,6 +141,16 @@ TEST(OpenAIRequest, Defaults) {
   EXPECT_FALSE(p.stream);
 }
 
+// echo (completions only) lets max_tokens be 0: scoring a text without generating.
+TEST(OpenAIRequest, EchoAllowsZeroMaxTokens) {
+  const CompletionParams e = parse(R"({"prompt": "x", "echo": true, "max_tokens": 0, "logprobs": 0})");
+  EXPECT_TRUE(e.echo);
+  EXPECT_EQ(*e.max_tokens, 0);
+  EXPECT_TRUE(e.logprobs());
+  EXPECT_FALSE(parse(R"({"prompt": "x"})").echo);
+  EXPECT_FALSE(parse(R"({"messages": [{"role": "user", "content": "hi"}], "echo": true})", ApiKind::Chat).echo);
+}
+
 TEST(OpenAIRequest, AllSamplingFields) {
   const CompletionParams p = parse(R"({"prompt": "x", "max_tokens": 7, "temperature": 0, "top_p": 0.5, "top_k": 40,
       "min_p": 0.1, "seed": -1, "presence_penalty": 1.5, "frequency_penalty": -0.5, "n": 3, "stop": ["a", ""],
@@ -228,6 +238,8 @@ TEST(OpenAIRequest, WrongTypesAndRangesName400Param) {
       {R"({"prompt": "x", "logit_bias": {"12345678901": 1}})", "logit_bias"},
       {R"({"prompt": "x", "logit_bias": {"5": 100.5}})", "logit_bias"},
       {R"({"prompt": "x", "logit_bias": {"5": "1"}})", "logit_bias"},
+      {R"({"prompt": "x", "max_tokens": 0})", "max_tokens"},  // 0 only with echo
+      {R"({"prompt": "x", "echo": 1})", "echo"},
   };
   for (const auto& [body, param] : cases) {
     const auto [status, got, code] = error_of(body);

@@ -219,6 +219,59 @@ TEST_F(ServeScheduler, ZeroMaxTokensFinishesWithoutRunning) {
   EXPECT_TRUE(sched_->idle());
 }
 
+// echo with logprobs (GenerationRequest::prompt_logprobs): every prompt token after the first gets an event, in
+// order and before the generated tokens, with token_logprob over a whole-prompt forward pass on a fresh
+// backend; with chunked prefill, with the prompt's blocks in the prefix cache (not reused: their rows are
+// needed), alongside an ordinary request, and with max_tokens 0 (scored, then finished).
+TEST_F(ServeScheduler, PromptLogprobsScoreEveryPromptToken) {
+  EngineOptions eo;
+  eo.prefill_chunk = 16;
+  make(2, 32, eo);
+  const auto prompt = prompt_of(40, 3);
+  BackendOptions bo;
+  bo.n_threads = 1;
+  auto fresh = make_cpu_backend(*model_, bo);
+  const std::vector<float> logits = prefill(*model_, *fresh, prompt, 0, 0, true);
+  const int64_t vocab = model_->config().vocab_size;
+  auto cold = submit(greedy(prompt, 3));
+  run_until_idle();
+  const std::vector<int32_t> cold_tokens = test::take(*cold).tokens;  // and its blocks are cached now
+  ASSERT_EQ(cold_tokens.size(), 3u);
+  for (int max_tokens : {3, 0}) {
+    SCOPED_TRACE(max_tokens);
+    GenerationRequest r = greedy(prompt, max_tokens);
+    r.prompt_logprobs = true;
+    r.sampling.top_logprobs = 2;
+    auto other = submit(greedy(prompt_of(20, 4), 4));
+    auto s = submit(r);
+    run_until_idle();
+    const auto out = test::take(*s);
+    EXPECT_EQ(s->n_cached_prompt(), 0);
+    std::vector<const TokenEvent*> scored, generated;
+    for (const TokenEvent& ev : out.events)
+      if (ev.token >= 0) (ev.prompt ? scored : generated).push_back(&ev);
+    ASSERT_EQ(scored.size(), prompt.size() - 1);
+    for (size_t i = 0; i < scored.size(); ++i) {
+      EXPECT_EQ(scored[i]->token, prompt[i + 1]);
+      std::vector<std::pair<int32_t, float>> top;
+      const float want = token_logprob(logits.data() + i * (size_t)vocab, vocab, prompt[i + 1], 2, &top);
+      EXPECT_NEAR(scored[i]->logprob, want, 1e-5f) << "prompt token " << i + 1;
+      ASSERT_EQ(scored[i]->top_logprobs.size(), 2u);
+      EXPECT_EQ(scored[i]->top_logprobs[0].first, top[0].first);
+    }
+    EXPECT_EQ(generated.size(), (size_t)max_tokens);
+    if (max_tokens > 0) {
+      EXPECT_EQ(out.events.front().prompt, true);  // scored tokens come first
+      std::vector<int32_t> gen;
+      for (const TokenEvent* ev : generated) gen.push_back(ev->token);
+      EXPECT_EQ(gen, cold_tokens);
+    }
+    EXPECT_EQ(out.finish, FinishReason::Length);
+    EXPECT_EQ(test::take(*other).tokens.size(), 4u);
+  }
+  expect_all_blocks_back();
+}
+
 TEST_F(ServeScheduler, RejectsRequestsThatCanNeverRun) {
   make(1, 8);  // 8 blocks of 16 = 128 positions, context 256
   EXPECT_THROW(sched_->validate(greedy({}, 4)), Error);
