@@ -162,6 +162,35 @@ TEST_F(ServeScheduler, PreemptionUnderBlockPressureCompletesEveryRequest) {
   expect_all_blocks_back();
 }
 
+// Requests scoring their prompts (prompt_logprobs) among others under block pressure, with a prefill chunk
+// small enough that preemption can strike between chunks: each prompt token is scored exactly once, in
+// order, and the generated tokens are still the reference's.
+TEST_F(ServeScheduler, PromptScoringSurvivesPreemption) {
+  EngineOptions eo;
+  eo.prefill_chunk = 8;
+  make(6, 12, eo);
+  std::vector<std::shared_ptr<StreamState>> s;
+  for (int i = 0; i < 6; ++i) {
+    GenerationRequest r = greedy(prompt_of(20, 30 + i), 60);
+    r.prompt_logprobs = i % 2 == 1;
+    r.sampling.top_logprobs = 1;  // greedy still: top_logprobs only adds alternatives
+    s.push_back(submit(r));
+  }
+  run_until_idle();
+  EXPECT_GT(sched_->stats().preemptions, 0u);
+  for (int i = 0; i < 6; ++i) {
+    const auto out = test::take(*s[(size_t)i]);
+    const auto prompt = prompt_of(20, 30 + i);
+    std::vector<int32_t> scored, generated;
+    for (const TokenEvent& ev : out.events)
+      if (ev.token >= 0) (ev.prompt ? scored : generated).push_back(ev.token);
+    EXPECT_EQ(generated, reference(prompt, 60)) << "request " << i;
+    EXPECT_EQ(scored, i % 2 == 1 ? std::vector<int32_t>(prompt.begin() + 1, prompt.end()) : std::vector<int32_t>{})
+        << "request " << i;
+  }
+  expect_all_blocks_back();
+}
+
 TEST_F(ServeScheduler, PreemptionWithPrefixCacheAndSharedPrompts) {
   make(4, 14);
   std::vector<std::shared_ptr<StreamState>> s;
