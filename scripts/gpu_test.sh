@@ -5,7 +5,8 @@
 #
 # BIN_DIR holds merlin, cuda_kernels_test, cuda_gemm_test and cuda_backend_test (and gpt2/ with encoder.json + vocab.bpe for
 # `merlin init`; cuda_matvec for the matvec stage); default build-gpu. STAGES: comma-separated subset of
-# tests,sanitize,serve,serve-load,matvec,bench-base,bench-big (default tests,sanitize,serve,bench-base). `matvec` times
+# tests,sanitize,serve,serve-load,sample,matvec,bench-base,bench-big (default tests,sanitize,serve,bench-base). `sample`
+# times `merlin run` on the default model: greedy, and sampled with rows cut into slices and with one CTA per row. `matvec` times
 # the matrix products alone on one 16384 x 4096 and one 4096 x 16384 matrix per weight type (matvec.md). `serve` starts `merlin serve --device cuda` on a loopback port and sends
 # one completion and one streaming chat request. Results go to $OUT (default ./gpu-results): tests.log, sanitize.log,
 # bench-*.md/json. BIG_PRESETS (default "iphone macbook") and BIG_TYPES (default "bf16 q8_0 q4_0 q4_k mxfp4 tq2_0")
@@ -116,6 +117,25 @@ for _ in range(240):
   done
 }
 if has serve-load; then serve_load; fi
+
+# `merlin run` generation tok/s on the default model (512 tokens, 3 runs each): greedy, default sampling
+# (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05), temperature 1 unfiltered, and top-p 0.9 alone; the
+# sampled ones with sample_rows' slices (default) and with one CTA per row (MERLIN_CUDA_SAMPLE_SPLIT=0).
+run_sample() {
+  local args="-m models/merlin-default.gguf --device cuda -p 'Once upon a time' -n 512 --ignore-eos --seed 7"
+  for case in "greedy|--temp 0|" "default sampling||" "temperature 1|--temp 1 --top-k 0 --top-p 1 --min-p 0|" \
+              "top-p 0.9|--temp 1 --top-k 0 --top-p 0.9 --min-p 0|" "default sampling, one CTA per row||MERLIN_CUDA_SAMPLE_SPLIT=0" \
+              "temperature 1, one CTA per row|--temp 1 --top-k 0 --top-p 1 --min-p 0|MERLIN_CUDA_SAMPLE_SPLIT=0" \
+              "top-p 0.9, one CTA per row|--temp 1 --top-k 0 --top-p 0.9 --min-p 0|MERLIN_CUDA_SAMPLE_SPLIT=0"; do
+    IFS='|' read -r name extra setting <<<"$case"
+    local rates=""
+    for rep in 1 2 3; do
+      rates="$rates $(eval env $setting "$BIN/merlin" run $args $extra 2>&1 >/dev/null | grep -oE 'generation: [0-9]+ tokens, [0-9.]+' | grep -oE '[0-9.]+$')"
+    done
+    echo "| $name | $rates |" | tee -a "$OUT/sample.md"
+  done
+}
+if has sample; then run_sample; fi
 
 if has matvec; then
   "$BIN/cuda_matvec" | tee "$OUT/matvec.md" || { log "matvec FAILED"; status=1; }

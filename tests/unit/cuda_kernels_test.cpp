@@ -503,21 +503,23 @@ TEST(CudaKernels, ArgmaxRowsMatchesHostFirstMaximum) {
 }
 
 // Sampling on the device (sample_rows) against runtime's sample_row on the host for the same logits and
-// uniforms: greedy and tempered rows, top-k / top-p / min-p alone and chained, biases and penalties (entries of
-// other rows in between, ids outside the row ignored), rows shorter than the CTA and the GPT-2 vocabulary,
-// ties at the candidate threshold, uniforms near 0 and 1. A top-k above the device's 1024 candidates is left
-// to the host (-1).
+// uniforms, with one CTA per row and with rows cut into slices (the backend's default): greedy and tempered
+// rows, top-k / top-p / min-p alone and chained, biases and penalties (entries of other rows in between, ids
+// outside the row ignored), rows shorter than the CTA, one slice plus one token and the GPT-2 vocabulary, ties
+// at the candidate threshold, uniforms near 0 and 1, and rows whose likely tokens crowd into one slice. A
+// top-k above one CTA's 1024 candidates is left to the host (-1); the sliced path keeps it.
 TEST(CudaKernels, SampleRowsMatchesHostSampleRow) {
   REQUIRE_GPU();
   std::mt19937 gen(3);
   std::uniform_real_distribution<double> uni(0.0, 1.0);
   struct Filter { int top_k; float top_p, min_p; };
   const Filter filters[] = {{0, 1.0f, 0.0f}, {40, 1.0f, 0.0f}, {0, 0.9f, 0.0f}, {0, 1.0f, 0.05f},
-                            {40, 0.95f, 0.05f}, {1, 1.0f, 0.0f}, {300, 0.5f, 0.0f}, {2000, 1.0f, 0.0f}};
+                            {40, 0.95f, 0.05f}, {1, 1.0f, 0.0f}, {300, 0.5f, 0.0f}, {2000, 1.0f, 0.0f},
+                            {0, 0.9f, 0.0f}, {100, 1.0f, 0.001f}};
   const int n_filters = (int)(sizeof(filters) / sizeof(filters[0]));
-  for (int64_t n : {37, 1025, 50257}) {
+  for (int64_t n : {37, 1025, 4097, 50257}) {
     SCOPED_TRACE(n);
-    const int rows = 48;
+    const int rows = 60;
     const int64_t ld = n + 5;
     std::vector<float> h = gaussian((size_t)rows * ld, (uint32_t)n, 2.0f);
     for (int r = 0; r < rows; ++r) {
@@ -525,8 +527,10 @@ TEST(CudaKernels, SampleRowsMatchesHostSampleRow) {
       // A few likely tokens, except in rows whose filters keep at most 300 candidates anyway: those stay flat,
       // so their draws spread over dozens of kept tokens.
       const int f = r % n_filters;
-      if (f != 1 && f != 4 && f != 6)
+      if (f != 1 && f != 4 && f != 6 && f < 8)
         for (int b = 0; b < 6; ++b) row[(b * 131 + r * 17) % n] += 14.0f + 1.5f * (float)b;
+      if (f >= 8)  // 150 likely tokens side by side: most of the kept ones in one slice of 2048
+        for (int b = 0; b < 150; ++b) row[(r * 7 + b) % n] += 12.0f + 0.01f * (float)b;
       if (r % 4 == 3)  // exact ties around the candidate threshold: many copies of a few values
         for (int64_t i = 0; i < n; ++i) row[i] = std::round(row[i] * 2.0f) / 2.0f;
     }
@@ -554,35 +558,113 @@ TEST(CudaKernels, SampleRowsMatchesHostSampleRow) {
       }
       spec[r].n_adjust = (int32_t)adjust.size() - spec[r].first;
     }
-    DevFloats d_logits(h);
     auto* d_spec = test::upload(spec);
     auto* d_adj = adjust.empty() ? nullptr : test::upload(adjust);
     auto* d_out = static_cast<int32_t*>(cu::dev_alloc(rows * sizeof(int32_t)));
-    cu::sample_rows(d_logits.p, ld, rows, n, d_spec, d_adj, d_out, nullptr);
-    cu::sync_device();
-    std::vector<int32_t> got(rows);
-    cu::copy_to_host(got.data(), d_out, rows * sizeof(int32_t));
-    SampleScratch work;
-    int filtered_on_device = 0;
-    for (int r = 0; r < rows; ++r) {
-      const bool too_many = spec[r].temperature > 0 && spec[r].top_k == 2000 && n > 1024;
-      if (too_many) {
-        EXPECT_EQ(got[r], -1) << "row " << r;
-        continue;
+    void* d_work = cu::dev_alloc(cu::sample_rows_work_bytes(rows, n));
+    for (bool sliced : {false, true}) {
+      SCOPED_TRACE(sliced ? "sliced rows" : "one CTA per row");
+      DevFloats d_logits(h);  // the adjustments apply in place: fresh logits for each run
+      cu::sample_rows(d_logits.p, ld, rows, n, d_spec, d_adj, d_out, nullptr, sliced ? d_work : nullptr);
+      cu::sync_device();
+      std::vector<int32_t> got(rows);
+      cu::copy_to_host(got.data(), d_out, rows * sizeof(int32_t));
+      SampleScratch work;
+      int filtered_on_device = 0;
+      for (int r = 0; r < rows; ++r) {
+        // One CTA per row keeps 1024 candidates: a top-k of 2000 is left to the host. The sliced path keeps
+        // the 256 best of each slice of 2048 (4096 in all), so it covers the top 2000 of the GPT-2
+        // vocabulary's 25 slices, but not of 4097 tokens' 3 slices: the host's again.
+        const bool too_many = spec[r].temperature > 0 && spec[r].top_k == 2000 && n > 1024 && (!sliced || n < 50000);
+        if (too_many) {
+          EXPECT_EQ(got[r], -1) << "row " << r;
+          continue;
+        }
+        filtered_on_device += spec[r].temperature > 0 && spec[r].filtered();
+        EXPECT_EQ(got[r], sample_row(h.data() + (size_t)r * ld, n, spec[r], adjust.data(), work))
+            << "row " << r << " temperature " << spec[r].temperature << " top_k " << spec[r].top_k << " top_p "
+            << spec[r].top_p << " min_p " << spec[r].min_p << " u " << spec[r].u;
       }
-      filtered_on_device += spec[r].temperature > 0 && spec[r].filtered();
-      EXPECT_EQ(got[r], sample_row(h.data() + (size_t)r * ld, n, spec[r], adjust.data(), work))
-          << "row " << r << " temperature " << spec[r].temperature << " top_k " << spec[r].top_k << " top_p "
-          << spec[r].top_p << " min_p " << spec[r].min_p << " u " << spec[r].u;
+      EXPECT_GT(filtered_on_device, 20);
+      // The flat rows' draws land on many different candidates (a draw stuck on the first one would not).
+      std::set<int32_t> flat_picks;
+      for (int r = 0; r < rows; ++r)
+        if (spec[r].temperature > 0 && (r % n_filters == 1 || r % n_filters == 6)) flat_picks.insert(got[r]);
+      EXPECT_GE(flat_picks.size(), 6u);
     }
-    EXPECT_GT(filtered_on_device, 20);
-    // The flat rows' draws land on many different candidates (a draw stuck on the first one would not).
-    std::set<int32_t> flat_picks;
-    for (int r = 0; r < rows; ++r)
-      if (spec[r].temperature > 0 && (r % n_filters == 1 || r % n_filters == 6)) flat_picks.insert(got[r]);
-    EXPECT_GE(flat_picks.size(), 6u);
-    for (void* p : {static_cast<void*>(d_spec), static_cast<void*>(d_adj), static_cast<void*>(d_out)}) cu::dev_free(p);
+    for (void* p : {static_cast<void*>(d_spec), static_cast<void*>(d_adj), static_cast<void*>(d_out), d_work})
+      cu::dev_free(p);
   }
+}
+
+// Unfiltered draws with the sliced path at uniforms that land at the slices' borders: the token must be the
+// host loop's, including the first and last token of a slice and the row's last token.
+TEST(CudaKernels, SampleRowsSlicedDrawsAtSliceBorders) {
+  REQUIRE_GPU();
+  const int64_t n = 3 * 2048 + 7;
+  const int rows = 64;
+  std::vector<float> h((size_t)rows * n, -30.0f);
+  std::vector<RowSampling> spec(rows);
+  for (int r = 0; r < rows; ++r) {
+    float* row = h.data() + (size_t)r * n;
+    // Four tokens carry the mass: a slice's last and the next slice's first, the last token, one inside.
+    for (int64_t i : {(int64_t)2047, (int64_t)2048, n - 1, (int64_t)5000}) row[i] = 0.0f;
+    spec[r].temperature = 1.0f;
+    spec[r].u = (r + 0.5) / rows;  // not at a border of the four tokens' mass
+  }
+  auto* d_spec = test::upload(spec);
+  auto* d_out = static_cast<int32_t*>(cu::dev_alloc(rows * sizeof(int32_t)));
+  void* d_work = cu::dev_alloc(cu::sample_rows_work_bytes(rows, n));
+  DevFloats d_logits(h);
+  cu::sample_rows(d_logits.p, n, rows, n, d_spec, nullptr, d_out, nullptr, d_work);
+  cu::sync_device();
+  std::vector<int32_t> got(rows);
+  cu::copy_to_host(got.data(), d_out, rows * sizeof(int32_t));
+  SampleScratch work;
+  std::set<int32_t> seen;
+  for (int r = 0; r < rows; ++r) {
+    EXPECT_EQ(got[r], sample_row(h.data() + (size_t)r * n, n, spec[r], nullptr, work)) << "u " << spec[r].u;
+    seen.insert(got[r]);
+  }
+  EXPECT_EQ(seen, (std::set<int32_t>{2047, 2048, 5000, (int32_t)(n - 1)}));
+  for (void* p : {static_cast<void*>(d_spec), static_cast<void*>(d_out), d_work}) cu::dev_free(p);
+}
+
+// The sliced path keeps up to 4096 candidates on the device, where one CTA per row stops at 1024 (-1, the
+// host finishes): nuclei, min-p sets and top-k of about 3,000 tokens spread over every slice of the GPT-2
+// vocabulary, against the host.
+TEST(CudaKernels, SampleRowsSlicedKeepsLargeCandidateSets) {
+  REQUIRE_GPU();
+  const int64_t n = 50257;
+  const int rows = 12;
+  std::vector<float> h = gaussian((size_t)rows * n, 77, 1.0f);
+  std::vector<RowSampling> spec(rows);
+  std::mt19937 gen(5);
+  std::uniform_real_distribution<double> uni(0.0, 1.0);
+  for (int r = 0; r < rows; ++r) {
+    float* row = h.data() + (size_t)r * n;
+    for (int b = 0; b < 3000; ++b) row[((int64_t)b * 16 + r) % n] += 10.0f;  // 3,000 likely tokens, every slice
+    spec[r].temperature = r % 2 ? 0.7f : 1.0f;
+    spec[r].u = uni(gen);
+    switch (r % 3) {
+      case 0: spec[r].top_p = 0.9f; break;      // a nucleus of about 2,700
+      case 1: spec[r].min_p = 0.001f; break;    // about 3,000 survive
+      default: spec[r].top_k = 3000; break;     // above one CTA's 1024 candidates
+    }
+  }
+  auto* d_spec = test::upload(spec);
+  auto* d_out = static_cast<int32_t*>(cu::dev_alloc(rows * sizeof(int32_t)));
+  void* d_work = cu::dev_alloc(cu::sample_rows_work_bytes(rows, n));
+  DevFloats d_logits(h);
+  cu::sample_rows(d_logits.p, n, rows, n, d_spec, nullptr, d_out, nullptr, d_work);
+  cu::sync_device();
+  std::vector<int32_t> got(rows);
+  cu::copy_to_host(got.data(), d_out, rows * sizeof(int32_t));
+  SampleScratch work;
+  for (int r = 0; r < rows; ++r)
+    EXPECT_EQ(got[r], sample_row(h.data() + (size_t)r * n, n, spec[r], nullptr, work))
+        << "row " << r << " top_k " << spec[r].top_k << " top_p " << spec[r].top_p << " min_p " << spec[r].min_p;
+  for (void* p : {static_cast<void*>(d_spec), static_cast<void*>(d_out), d_work}) cu::dev_free(p);
 }
 
 namespace {

@@ -171,6 +171,7 @@ class CudaBackend final : public Backend {
   // kernel runs after the step's graph, so its buffers may move).
   RowSampling* h_rows_ = nullptr;
   RowSampling* d_rows_ = nullptr;
+  void* d_sample_work_ = nullptr;  // sample_rows' slices (null: one CTA per row, MERLIN_CUDA_SAMPLE_SPLIT=0)
   LogitAdjust* h_adjust_ = nullptr;
   LogitAdjust* d_adjust_ = nullptr;
   size_t adjust_cap_ = 0;
@@ -270,6 +271,8 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   MERLIN_CUDA_CHECK(cudaMallocHost(&h_ids_, B * sizeof(int32_t)));
   MERLIN_CUDA_CHECK(cudaMallocHost(&h_rows_, B * sizeof(RowSampling)));
   d_rows_ = static_cast<RowSampling*>(cuda::dev_alloc(B * sizeof(RowSampling)));
+  if (const char* f = std::getenv("MERLIN_CUDA_SAMPLE_SPLIT"); !f || std::string(f) != "0")
+    d_sample_work_ = cuda::dev_alloc(cuda::sample_rows_work_bytes((int)B, c_.vocab_size));
   MERLIN_CUDA_CHECK(cudaMallocHost(&h_tiles_, B * sizeof(cuda::AttnTile)));
   d_tiles_ = static_cast<cuda::AttnTile*>(cuda::dev_alloc(B * sizeof(cuda::AttnTile)));
   d_in_ = dev_array<int32_t>(4 * B);
@@ -324,6 +327,7 @@ CudaBackend::~CudaBackend() {
   cudaFreeHost(h_rows_);
   cudaFreeHost(h_adjust_);
   cuda::dev_free(d_rows_);
+  cuda::dev_free(d_sample_work_);
   cuda::dev_free(d_adjust_);
   cudaFreeHost(h_tiles_);
   cuda::dev_free(d_tiles_);
@@ -565,7 +569,8 @@ void CudaBackend::queue_sampling(int n_out) {
   if (n_adjust_ > 0)
     MERLIN_CUDA_CHECK(
         cudaMemcpyAsync(d_adjust_, h_adjust_, n_adjust_ * sizeof(LogitAdjust), cudaMemcpyHostToDevice, stream_));
-  cuda::sample_rows(logits_, c_.vocab_size, n_out, c_.vocab_size, d_rows_, d_adjust_, d_ids_, stream_);
+  cuda::sample_rows(logits_, c_.vocab_size, n_out, c_.vocab_size, d_rows_, d_adjust_, d_ids_, stream_,
+                    d_sample_work_);
   MERLIN_CUDA_CHECK(cudaMemcpyAsync(h_ids_, d_ids_, (size_t)n_out * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
 }
 

@@ -222,10 +222,13 @@ void flash_attention(const float* d_qkv, int64_t ld, const AttnTile* d_tiles, in
 // what argmax() in runtime/sampler.h returns for the same row.
 void argmax_rows(const float* d_logits, int64_t ld, int n_rows, int64_t n, int32_t* d_out, Stream stream);
 // sample_row (runtime/row_sampling.h) for each of n_rows rows (ld floats apart, n values) with d_rows[r] and
-// its entries of d_adjust: d_out[r] = the token. The adjustments are applied to the rows in place. Launched
-// without programmatic dependent launch (it follows a graph replay).
+// its entries of d_adjust: d_out[r] = the token. The adjustments are applied to the rows in place. Its first
+// kernel is launched without programmatic dependent launch (it follows a graph replay). With d_work
+// (sample_rows_work_bytes(n_rows, n) bytes) each row is cut into slices on many CTAs; without, one CTA per
+// row does it all (slower: tens of microseconds a row).
+size_t sample_rows_work_bytes(int n_rows, int64_t n);
 void sample_rows(float* d_logits, int64_t ld, int n_rows, int64_t n, const RowSampling* d_rows,
-                 const LogitAdjust* d_adjust, int32_t* d_out, Stream stream);
+                 const LogitAdjust* d_adjust, int32_t* d_out, Stream stream, void* d_work = nullptr);
 
 void check_launch(const char* what);  // throws merlin::Error if the last launch failed
 
