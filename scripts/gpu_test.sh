@@ -92,7 +92,7 @@ if has serve; then
 fi
 
 # Aggregate tokens/s of `merlin serve --device cuda` on `base` Q4_0 at 1 and 32 clients (scripts/gpu_serve_load.py,
-# 128 tokens per request): greedy, then temperature 1 without and with top-k / top-p / min-p, sampled on the
+# 128 tokens per request): greedy, then temperature 1 without and with top-k / top-p / min-p and with top-p alone, sampled on the
 # device and, for comparison, on the host (MERLIN_SERVE_BACKEND_SAMPLING=0: the logits rows come back).
 serve_load() {
   local port=${SERVE_PORT:-18090} model="$MODEL_DIR/base-q4_0.gguf"
@@ -106,7 +106,7 @@ serve_load() {
 for _ in range(240):
     try: u.urlopen('http://127.0.0.1:$port/health', timeout=2); break
     except Exception: time.sleep(0.5)"
-    for sampling in "-t 0" "-t 1" "-t 1 --top-k 40 --top-p 0.95 --min-p 0.05"; do
+    for sampling in "-t 0" "-t 1" "-t 1 --top-k 40 --top-p 0.95 --min-p 0.05" "-t 1 --top-p 0.9"; do
       [ "$sampling" = "-t 0" ] && [ -n "$setting" ] && continue
       for c in 1 32; do
         echo "${setting:-defaults} $(python3 "$(dirname "$0")/gpu_serve_load.py" "http://127.0.0.1:$port" -c "$c" \

@@ -76,9 +76,6 @@ class Backend {
   // the logits and samples on the host; the CUDA backend samples on the device and copies back only the ids.
   virtual void forward_sample(const Batch& batch, int64_t n_vocab, std::span<const RowSampling> rows,
                               std::span<const LogitAdjust> adjust, int32_t* tokens);
-  // Whether forward_sample saves copying logits (it runs where the logits are): generate() then samples
-  // through it. The default, host sampling, gains nothing there.
-  virtual bool samples_where_logits_are() const { return false; }
   // Forgets everything cached for a sequence (the next token of it starts at position 0).
   virtual void clear_sequence(int seq) = 0;
 

@@ -33,15 +33,16 @@ std::vector<float> prefill(const Model& model, Backend& backend, const std::vect
 namespace {
 
 // How a step's one logits row becomes the next token: the backend's argmax when sampling is plain greedy;
-// on a backend that samples where its logits are (a GPU), the sampler's draw as a RowSampling, so only the
-// id comes back (not with a repetition penalty, which RowSampling does not carry); otherwise the logits
-// come back and Sampler::sample picks.
+// otherwise the sampler's draw as a RowSampling through Backend::forward_sample (sample_row, the server's
+// definition: a GPU samples where its logits are and only the id comes back, the CPU backend samples its
+// logits on the host), so every backend and the server give the same tokens for the same logits and seed.
+// Only a repetition penalty, which RowSampling does not carry, has the logits come back for
+// Sampler::sample.
 class TokenPicker {
  public:
   TokenPicker(Backend& backend, Sampler& sampler, int64_t vocab)
       : backend_(backend), sampler_(sampler), vocab_(vocab),
-        greedy_(sampler.options().temperature <= 0.0f && sampler.options().repeat_penalty == 1.0f),
-        on_backend_(backend.samples_where_logits_are()) {}
+        greedy_(sampler.options().temperature <= 0.0f && sampler.options().repeat_penalty == 1.0f) {}
 
   int32_t pick(const Batch& batch) {
     int32_t token = 0;
@@ -50,7 +51,7 @@ class TokenPicker {
       return token;
     }
     RowSampling row;
-    if (on_backend_ && sampler_.row_sampling(row)) {
+    if (sampler_.row_sampling(row)) {
       backend_.forward_sample(batch, vocab_, std::span<const RowSampling>(&row, 1), {}, &token);
       return token;
     }
@@ -63,7 +64,7 @@ class TokenPicker {
   Backend& backend_;
   Sampler& sampler_;
   int64_t vocab_;
-  bool greedy_, on_backend_;
+  bool greedy_;
   std::vector<float> logits_;
 };
 

@@ -37,11 +37,16 @@ size_t nucleus(const float* logits, int64_t n_vocab, float max_logit, const RowS
   } else if (r.top_p < 1.0f) {
     for (int64_t i = 0; i < n_vocab; ++i) total += std::exp((double)(logits[i] - max_logit));
   }
-  // min-p keeps the candidates with p >= min_p * p_max: a count, no sort needed.
+  // min-p keeps the candidates with p >= min_p * p_max: a count, no sort needed. It keeps a prefix of the
+  // order, so with top-k on the count among the k best is min(k, the row's count): no exp over the row.
   size_t bound = k;
   if (r.min_p > 0) {
     size_t n = 0;
-    for (int64_t i = 0; i < n_vocab; ++i) n += std::exp((double)(logits[i] - max_logit)) >= r.min_p;
+    if (top_k_on) {
+      for (const Candidate& c : cand) n += std::exp((double)(c.second - max_logit)) >= r.min_p;
+    } else {
+      for (int64_t i = 0; i < n_vocab; ++i) n += std::exp((double)(logits[i] - max_logit)) >= r.min_p;
+    }
     bound = std::min(bound, std::max<size_t>(n, 1));
   }
   if (r.top_p >= 1.0f) {

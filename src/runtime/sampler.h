@@ -24,10 +24,11 @@ class Sampler {
  public:
   explicit Sampler(const SamplerOptions& opts);
   int32_t sample(const float* logits, int64_t n_vocab);
-  // The next token's draw as a RowSampling (row_sampling.h) for a backend that samples where its logits are:
+  // The next token's draw as a RowSampling (row_sampling.h), what generate() hands Backend::forward_sample:
   // the same filters and temperature and the one uniform sample() would draw. False (nothing drawn) with an
-  // active repetition penalty, which RowSampling does not carry. The token can differ from sample()'s for
-  // the same uniform: sample_row draws an unfiltered row in id order, sample() in logit order.
+  // active repetition penalty, which RowSampling does not carry (generate() then calls sample()). The token
+  // can differ from sample()'s for the same uniform: sample_row draws an unfiltered row in id order,
+  // sample() in logit order.
   bool row_sampling(RowSampling& out);
   void accept(int32_t token);  // records a token (prompt or generated) for the repetition penalty
   void reset();

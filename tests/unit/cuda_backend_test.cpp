@@ -308,7 +308,7 @@ void for_each_test_step(Check check) {
 }
 
 // forward_sample against forward() and the host's sample_row on the same logits (tempered and greedy rows,
-// filters, a logit bias and a penalty).
+// filters, a nucleus of most of the vocabulary, a logit bias and a penalty).
 void expect_sampled_matches_logits(Backend& b, const Batch& batch, size_t vocab, uint32_t seed) {
   const size_t n_rows = batch.n_logits();
   std::vector<float> logits(n_rows * vocab);
@@ -322,6 +322,12 @@ void expect_sampled_matches_logits(Backend& b, const Batch& batch, size_t vocab,
     rows[r].top_k = r % 4 == 1 ? 40 : r % 4 == 2 ? 2000 : 0;  // 2000: more than the device keeps (host finishes)
     rows[r].top_p = r % 5 == 1 ? 0.9f : 1.0f;
     rows[r].min_p = r % 6 == 2 ? 0.05f : 0.0f;
+    if (r % 7 == 4) {  // a nucleus past the merged candidates: sample_rows_more
+      rows[r].top_k = 0;
+      rows[r].top_p = 0.995f;
+      rows[r].min_p = 0.0f;
+      rows[r].temperature = 1.3f;
+    }
     rows[r].u = rng.uniform_double();
     rows[r].first = (int32_t)adjust.size();
     adjust.push_back({(int32_t)(r * 97 % vocab), 4.0f, 0.0f, LogitAdjust::kBias});

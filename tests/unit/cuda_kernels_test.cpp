@@ -502,6 +502,24 @@ TEST(CudaKernels, ArgmaxRowsMatchesHostFirstMaximum) {
   }
 }
 
+// sample_rows, then sample_rows_more for the rows it leaves as kSampleMore (as CudaBackend::forward_sample
+// does); *n_more counts those rows.
+std::vector<int32_t> run_sample_rows(float* d_logits, int64_t ld, int rows, int64_t n, const RowSampling* d_spec,
+                                     const LogitAdjust* d_adj, int32_t* d_out, void* d_work, int* n_more = nullptr) {
+  cu::sample_rows(d_logits, ld, rows, n, d_spec, d_adj, d_out, nullptr, d_work);
+  cu::sync_device();
+  std::vector<int32_t> got(rows);
+  cu::copy_to_host(got.data(), d_out, rows * sizeof(int32_t));
+  const int more = (int)std::count(got.begin(), got.end(), cu::kSampleMore);
+  if (n_more) *n_more = more;
+  if (more > 0) {
+    cu::sample_rows_more(d_logits, ld, rows, n, d_spec, d_out, nullptr, d_work);
+    cu::sync_device();
+    cu::copy_to_host(got.data(), d_out, rows * sizeof(int32_t));
+  }
+  return got;
+}
+
 // Sampling on the device (sample_rows) against runtime's sample_row on the host for the same logits and
 // uniforms, with one CTA per row and with rows cut into slices (the backend's default): greedy and tempered
 // rows, top-k / top-p / min-p alone and chained, biases and penalties (entries of other rows in between, ids
@@ -565,17 +583,17 @@ TEST(CudaKernels, SampleRowsMatchesHostSampleRow) {
     for (bool sliced : {false, true}) {
       SCOPED_TRACE(sliced ? "sliced rows" : "one CTA per row");
       DevFloats d_logits(h);  // the adjustments apply in place: fresh logits for each run
-      cu::sample_rows(d_logits.p, ld, rows, n, d_spec, d_adj, d_out, nullptr, sliced ? d_work : nullptr);
-      cu::sync_device();
-      std::vector<int32_t> got(rows);
-      cu::copy_to_host(got.data(), d_out, rows * sizeof(int32_t));
+      const std::vector<int32_t> got =
+          run_sample_rows(d_logits.p, ld, rows, n, d_spec, d_adj, d_out, sliced ? d_work : nullptr);
       SampleScratch work;
       int filtered_on_device = 0;
       for (int r = 0; r < rows; ++r) {
         // One CTA per row keeps 1024 candidates: a top-k of 2000 is left to the host. The sliced path keeps
         // the 256 best of each slice of 2048 (4096 in all), so it covers the top 2000 of the GPT-2
-        // vocabulary's 25 slices, but not of 4097 tokens' 3 slices: the host's again.
-        const bool too_many = spec[r].temperature > 0 && spec[r].top_k == 2000 && n > 1024 && (!sliced || n < 50000);
+        // vocabulary's 25 slices, but not of 4097 tokens' 3 slices: the host's again. (With 1025 tokens a
+        // top-k of 2000 is off: the whole row, which sample_rows_more draws from.)
+        const bool too_many = spec[r].temperature > 0 && spec[r].top_k == 2000 &&
+                              (sliced ? n > 2000 && n < 50000 : n > 1024);
         if (too_many) {
           EXPECT_EQ(got[r], -1) << "row " << r;
           continue;
@@ -656,15 +674,71 @@ TEST(CudaKernels, SampleRowsSlicedKeepsLargeCandidateSets) {
   auto* d_out = static_cast<int32_t*>(cu::dev_alloc(rows * sizeof(int32_t)));
   void* d_work = cu::dev_alloc(cu::sample_rows_work_bytes(rows, n));
   DevFloats d_logits(h);
-  cu::sample_rows(d_logits.p, n, rows, n, d_spec, nullptr, d_out, nullptr, d_work);
-  cu::sync_device();
-  std::vector<int32_t> got(rows);
-  cu::copy_to_host(got.data(), d_out, rows * sizeof(int32_t));
+  int n_more = 0;
+  const std::vector<int32_t> got = run_sample_rows(d_logits.p, n, rows, n, d_spec, nullptr, d_out, d_work, &n_more);
+  EXPECT_EQ(n_more, 0);  // merged candidates suffice
   SampleScratch work;
   for (int r = 0; r < rows; ++r)
     EXPECT_EQ(got[r], sample_row(h.data() + (size_t)r * n, n, spec[r], nullptr, work))
         << "row " << r << " top_k " << spec[r].top_k << " top_p " << spec[r].top_p << " min_p " << spec[r].min_p;
   for (void* p : {static_cast<void*>(d_spec), static_cast<void*>(d_out), d_work}) cu::dev_free(p);
+}
+
+// Filters without top-k that keep more tokens than the merged candidates (top-p alone and min-p on flat
+// rows: nuclei of thousands to tens of thousands): sample_rows leaves them as kSampleMore and
+// sample_rows_more finds the cut and the draw by mass-weighted radix selects. Same tokens as the host for
+// every uniform tried, with biases, temperatures below and above 1, and a vocabulary of one slice plus one.
+TEST(CudaKernels, SampleRowsMoreDrawsFromLargeNuclei) {
+  REQUIRE_GPU();
+  struct Filter { float top_p, min_p; };
+  const Filter filters[] = {{0.3f, 0.0f}, {0.5f, 0.0f}, {0.9f, 0.0f}, {0.99f, 0.0f},
+                            {1.0f, 1e-4f}, {1.0f, 1e-3f}, {0.8f, 1e-3f}, {0.95f, 0.02f}};
+  const float temps[] = {0.7f, 1.0f, 1.5f};
+  std::mt19937 gen(11);
+  std::uniform_real_distribution<double> uni(0.0, 1.0);
+  for (int64_t n : {(int64_t)2049, (int64_t)50257}) {
+    SCOPED_TRACE(n);
+    const int rows = 48;
+    std::vector<float> h = gaussian((size_t)rows * n, (uint32_t)(n + 1), 1.5f);
+    std::vector<RowSampling> spec(rows);
+    std::vector<LogitAdjust> adjust;
+    for (int r = 0; r < rows; ++r) {
+      spec[r].temperature = temps[r % 3];
+      spec[r].top_p = filters[r % 8].top_p;
+      spec[r].min_p = filters[r % 8].min_p;
+      spec[r].u = r == 0 ? 0.0 : r == 1 ? 0.999999999 : uni(gen);
+      spec[r].first = (int32_t)adjust.size();
+      for (int a = 0; a < r % 3 * 5; ++a) {
+        LogitAdjust e;
+        e.token = (int32_t)((a * 977 + r * 31) % n);
+        e.flags = LogitAdjust::kBias;
+        e.bias = a % 2 ? 3.0f : -1.0f;
+        adjust.push_back(e);
+      }
+      spec[r].n_adjust = (int32_t)adjust.size() - spec[r].first;
+    }
+    auto* d_spec = test::upload(spec);
+    auto* d_adj = test::upload(adjust);
+    auto* d_out = static_cast<int32_t*>(cu::dev_alloc(rows * sizeof(int32_t)));
+    void* d_work = cu::dev_alloc(cu::sample_rows_work_bytes(rows, n));
+    DevFloats d_logits(h);
+    int n_more = 0;
+    const std::vector<int32_t> got = run_sample_rows(d_logits.p, n, rows, n, d_spec, d_adj, d_out, d_work, &n_more);
+    if (n > 10000) {
+      EXPECT_GE(n_more, rows / 2);  // the path under test ran
+    }
+    SampleScratch work;
+    std::set<int32_t> picks;
+    for (int r = 0; r < rows; ++r) {
+      EXPECT_EQ(got[r], sample_row(h.data() + (size_t)r * n, n, spec[r], adjust.data(), work))
+          << "row " << r << " temperature " << spec[r].temperature << " top_p " << spec[r].top_p << " min_p "
+          << spec[r].min_p << " u " << spec[r].u;
+      picks.insert(got[r]);
+    }
+    EXPECT_GE(picks.size(), (size_t)rows - 4);  // flat rows: the draws spread
+    for (void* p : {static_cast<void*>(d_spec), static_cast<void*>(d_adj), static_cast<void*>(d_out), d_work})
+      cu::dev_free(p);
+  }
 }
 
 namespace {

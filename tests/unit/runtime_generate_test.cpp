@@ -9,6 +9,8 @@
 #include "runtime/generate.h"
 #include "runtime/model.h"
 #include "runtime/quantize_model.h"
+#include "runtime/row_sampling.h"
+#include "runtime/sampler.h"
 #include "logits_test_util.h"
 #include "test_util.h"
 
@@ -167,6 +169,47 @@ TEST(Generate, KvCacheAndNoCacheGiveSameTokens) {
   generate(*m, *backend, prompt, go, [&](int32_t id) { without.push_back(id); return true; });
   EXPECT_EQ(with, without);
   EXPECT_FALSE(with.empty());
+}
+
+// generate() on the CPU draws through Backend::forward_sample (sample_row, as the server and the GPU do):
+// the same tokens as a host loop over forward()'s logits with sample_row and a twin Sampler's uniforms, for
+// temperature alone (a draw over the whole row in id order) and the CLI's default filters; with a
+// repetition penalty it keeps Sampler::sample.
+TEST(Generate, SamplingOnTheCpuIsSampleRow) {
+  auto m = Model::load(std::string(MERLIN_SOURCE_DIR) + "/models/merlin-default.gguf");
+  const int64_t vocab = m->config().vocab_size;
+  const std::vector<int32_t> prompt = m->tokenizer().encode("Once upon a time", false);
+  const SamplerOptions cases[] = {{1.0f, 0, 1.0f, 0.0f, 1.0f, 64, 5}, {0.8f, 40, 0.95f, 0.05f, 1.0f, 64, 6},
+                                  {0.8f, 40, 0.95f, 0.05f, 1.3f, 64, 7}};
+  for (const SamplerOptions& so : cases) {
+    SCOPED_TRACE(so.repeat_penalty);
+    GenerateOptions go;
+    go.n_predict = 24;
+    go.stop_at_eos = false;
+    go.sampling = so;
+    auto backend = make_cpu_backend(*m, BackendOptions{});
+    std::vector<int32_t> got;
+    generate(*m, *backend, prompt, go, [&](int32_t id) { got.push_back(id); return true; });
+    auto twin = make_cpu_backend(*m, BackendOptions{});
+    Sampler sampler(so);
+    for (int32_t t : prompt) sampler.accept(t);
+    std::vector<float> logits = prefill(*m, *twin, prompt, 0, 0, false);
+    std::vector<int32_t> want;
+    SampleScratch scratch;
+    for (int i = 0; i < go.n_predict; ++i) {
+      if (i > 0) {
+        Batch b;
+        b.add(want.back(), (int)(prompt.size() + want.size()) - 1, 0, true);
+        twin->forward(b, logits.data());
+      }
+      RowSampling r;
+      const int32_t tok = sampler.row_sampling(r) ? sample_row(logits.data(), vocab, r, nullptr, scratch)
+                                                  : sampler.sample(logits.data(), vocab);
+      sampler.accept(tok);
+      want.push_back(tok);
+    }
+    EXPECT_EQ(got, want);
+  }
 }
 
 // Backend::forward_greedy (the CPU backend's, for few rows): the argmax of each logits row forward() gives,

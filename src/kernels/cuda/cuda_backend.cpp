@@ -92,7 +92,6 @@ class CudaBackend final : public Backend {
   void forward_greedy(const Batch& batch, int64_t n_vocab, int32_t* tokens) override;
   void forward_sample(const Batch& batch, int64_t n_vocab, std::span<const RowSampling> rows,
                       std::span<const LogitAdjust> adjust, int32_t* tokens) override;
-  bool samples_where_logits_are() const override { return true; }
   void clear_sequence(int seq) override {
     MERLIN_CHECK(seq >= 0 && seq < n_seq_, "sequence ", seq, " out of range");  // cached rows are overwritten
   }
@@ -550,6 +549,13 @@ void CudaBackend::forward_sample(const Batch& batch, int64_t n_vocab, std::span<
   n_adjust_ = adjust.size();
   const int n_out = run_step(batch, Output::DeviceLogits);
   std::memcpy(tokens, h_ids_, (size_t)n_out * sizeof(int32_t));
+  if (std::find(tokens, tokens + n_out, cuda::kSampleMore) != tokens + n_out) {
+    // Rows whose kept set outgrew the merged candidates: radix selects weighted by mass over their logits.
+    cuda::sample_rows_more(logits_, c_.vocab_size, n_out, c_.vocab_size, d_rows_, d_ids_, stream_, d_sample_work_);
+    MERLIN_CUDA_CHECK(cudaMemcpyAsync(h_ids_, d_ids_, (size_t)n_out * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+    MERLIN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    std::memcpy(tokens, h_ids_, (size_t)n_out * sizeof(int32_t));
+  }
   // Rows whose filters keep more candidates than the device collects (-1): their adjusted logits row comes
   // back and the host finishes the same draw (the adjustments are already applied).
   for (int r = 0; r < n_out; ++r) {

@@ -226,9 +226,16 @@ void argmax_rows(const float* d_logits, int64_t ld, int n_rows, int64_t n, int32
 // kernel is launched without programmatic dependent launch (it follows a graph replay). With d_work
 // (sample_rows_work_bytes(n_rows, n) bytes) each row is cut into slices on many CTAs; without, one CTA per
 // row does it all (slower: tens of microseconds a row).
+// With d_work, a row whose filters keep more tokens than the device's merged candidates and no top-k (top-p
+// alone on a flat row, min-p keeping thousands) is left as kSampleMore: once the ids are read back, call
+// sample_rows_more with the same arguments for those rows (a few more passes over their logits). -1: the
+// host must finish the row (sample_row on its adjusted logits).
+constexpr int32_t kSampleMore = -2;
 size_t sample_rows_work_bytes(int n_rows, int64_t n);
 void sample_rows(float* d_logits, int64_t ld, int n_rows, int64_t n, const RowSampling* d_rows,
                  const LogitAdjust* d_adjust, int32_t* d_out, Stream stream, void* d_work = nullptr);
+void sample_rows_more(const float* d_logits, int64_t ld, int n_rows, int64_t n, const RowSampling* d_rows,
+                      int32_t* d_out, Stream stream, void* d_work);
 
 void check_launch(const char* what);  // throws merlin::Error if the last launch failed
 

@@ -305,6 +305,48 @@ __device__ int32_t draw_filtered(const float* row, int64_t n, const RowSampling&
   return pick_filtered(cand, min(n, (int64_t)kCand), n, rs, st);
 }
 
+// ---- The sliced path's layout (sample_slices.cu, sample_nucleus.cu) ----
+constexpr int kSliceThreads = 512;
+constexpr int kSlice = 4 * kSliceThreads;
+constexpr int kSliceCand = 256;
+constexpr int kMergeMax = 8192;  // merged candidates (64 KiB): every slice's kSliceCand of the GPT-2 vocabulary
+constexpr int kMaxSlices = 128;  // vocabularies up to 262,144 tokens (larger ones: one CTA per row)
+
+struct SlicePart {
+  Best best;                // the slice's first largest logit (after adjustments)
+  double sum;               // its weights' sum (slice order, fixed reduction tree)
+  long long count;          // its min-p survivors
+  unsigned long long last;  // the worst of its candidates (filtered rows)
+  int n_cand;               // how many candidates it handed over: min(depth, slice length)
+};
+
+inline int64_t slice_count(int64_t n) { return (n + kSlice - 1) / kSlice; }
+
+// Rows whose filters keep more than the merged candidates cover (top-p alone on a flat row, min-p keeping
+// thousands) leave finish_kernel as kNucleus; sample_nucleus.cu then finds the top-p cut and the draw by
+// radix selects over the row's codes weighted by probability mass, in fixed point so that sums do not
+// depend on the order the CTAs add them (2^-44 per weight: the cut can differ from the host's double sums
+// only where top-p or the uniform lands within ~1e-9 of a boundary).
+constexpr int32_t kNucleus = kSampleMore;
+struct NucleusRow {
+  unsigned long long mass[256], max_code[256], min_code[256];  // this pass's bins (row-wide, atomics)
+  int count[256];
+  unsigned long long prefix, mask, above, total, cut;
+  double target;
+  float mx;
+  int shift, phase, active;
+  unsigned int arrivals;
+};
+
+// d_work: parts [n_rows][n_slices], then candidates [n_rows][n_slices][kSliceCand], then NucleusRow[n_rows].
+inline SlicePart* work_parts(void* d_work) { return static_cast<SlicePart*>(d_work); }
+inline unsigned long long* work_cands(void* d_work, int n_rows, int64_t n) {
+  return reinterpret_cast<unsigned long long*>(work_parts(d_work) + (size_t)n_rows * slice_count(n));
+}
+inline NucleusRow* work_nucleus(void* d_work, int n_rows, int64_t n) {
+  return reinterpret_cast<NucleusRow*>(work_cands(d_work, n_rows, n) + (size_t)n_rows * slice_count(n) * kSliceCand);
+}
+
 }  // namespace
 
 // The sliced path (sample_slices.cu): sample_rows with d_work, for vocabularies of at most

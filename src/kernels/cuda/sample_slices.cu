@@ -13,20 +13,6 @@ namespace {
 // finish_kernel (one CTA per row) combines the slices in slice order: the draw's slice and the token inside
 // it, or the row's best tokens merged from the slices' (draw_filtered_split), falling back to the one-CTA
 // radix select (draw_filtered) when the slices' candidates do not cover what the filters keep.
-constexpr int kSliceThreads = 512;
-constexpr int kSlice = 4 * kSliceThreads;
-constexpr int kSliceCand = 256;
-constexpr int kMergeMax = 8192;  // merged candidates (64 KiB): every slice's kSliceCand of the GPT-2 vocabulary
-constexpr int kMaxSlices = 128;  // vocabularies up to 262,144 tokens (larger ones: one CTA per row)
-
-struct SlicePart {
-  Best best;                // the slice's first largest logit (after adjustments)
-  double sum;               // its weights' sum (slice order, fixed reduction tree)
-  long long count;          // its min-p survivors
-  unsigned long long last;  // the worst of its candidates (filtered rows)
-  int n_cand;               // how many candidates it handed over: min(depth, slice length)
-};
-
 // How many candidates each slice of a filtered row hands over: what top-k needs, else kSliceCand.
 __device__ __forceinline__ int slice_depth(const RowSampling& rs, int64_t n) {
   return rs.top_k > 0 && rs.top_k < n ? min(rs.top_k, kSliceCand) : kSliceCand;
@@ -87,7 +73,6 @@ __device__ unsigned long long select_codes(const unsigned long long (&code)[4], 
   return prefix;
 }
 
-int64_t slice_count(int64_t n) { return (n + kSlice - 1) / kSlice; }
 
 template <int N>
 __device__ Best block_best(Best b) {
@@ -262,7 +247,10 @@ __device__ int32_t draw_split(const float* row, int64_t n, const SlicePart* part
   return pick;
 }
 
-// The filtered draw from the slices' candidates; draw_filtered when they do not cover what the filters need.
+constexpr int32_t kMore = -3;  // draw_filtered_split: more candidates needed than merged, with top-k
+
+// The filtered draw from the slices' candidates, when they cover what the filters keep: else kMore (top-k
+// on: draw_filtered's 1024 candidates may do) or kNucleus (no top-k: sample_nucleus.cu).
 // Each slice handed over its `depth` best (slice_depth); those at or above the best of the full slices'
 // worst candidates are exactly the row's best (a slice's tokens at or above that bound are among its depth
 // best). The kPickMax best of them go to pick_filtered.
@@ -290,7 +278,10 @@ __device__ int32_t draw_filtered_split(const float* row, int64_t n, const RowSam
   const RowStats st = s_stats;
   const unsigned long long bound = s_bound;
   const int64_t need = top_k_on ? rs.top_k : rs.min_p > 0 ? max(st.count, 1ll) : 0;  // 0: unknown (top-p)
-  if (need > kPickMax) return draw_filtered(row, n, rs);
+  // Without top-k, a set larger than the merged candidates goes to the mass-weighted radix selects
+  // (sample_nucleus.cu); a top-k above them to one CTA's 1024 candidates.
+  const int32_t more = top_k_on ? kMore : kNucleus;
+  if (need > kPickMax) return more;
   for (int q = threadIdx.x; q < n_slices * depth; q += kThreads) {
     const int slice = q / depth, j = q - slice * depth;
     if (j >= parts[slice].n_cand) continue;
@@ -301,7 +292,7 @@ __device__ int32_t draw_filtered_split(const float* row, int64_t n, const RowSam
   }
   __syncthreads();
   const int count = s_count;
-  if (count > kMergeMax || count < need) return draw_filtered(row, n, rs);
+  if (count > kMergeMax || count < need) return more;
   if (count <= kThreads) {
     rank_sort_desc(merged, count);
   } else {
@@ -311,7 +302,7 @@ __device__ int32_t draw_filtered_split(const float* row, int64_t n, const RowSam
     bitonic_sort_desc<kThreads>(merged, len);
   }
   const int32_t token = pick_filtered(merged, min(count, kPickMax), n, rs, st);
-  return token >= 0 ? token : draw_filtered(row, n, rs);
+  return token >= 0 ? token : more;
 }
 
 __global__ void __launch_bounds__(kThreads, 1) finish_kernel(float* __restrict__ logits, int64_t ld, int64_t n,
@@ -335,6 +326,7 @@ __global__ void __launch_bounds__(kThreads, 1) finish_kernel(float* __restrict__
     token = b.i == INT_MAX ? 0 : b.i;
   } else if (row_filtered(rs)) {
     token = draw_filtered_split(row, n, rs, row_parts, cands + (int64_t)r * n_slices * kSliceCand, n_slices);
+    if (token == kMore) token = draw_filtered(row, n, rs);
   } else {
     token = draw_split(row, n, row_parts, n_slices, 1.0 / (double)rs.temperature, rs.u);
   }
@@ -344,7 +336,8 @@ __global__ void __launch_bounds__(kThreads, 1) finish_kernel(float* __restrict__
 }  // namespace
 
 size_t sample_rows_work_bytes(int n_rows, int64_t n) {
-  return (size_t)n_rows * (size_t)slice_count(n) * (sizeof(SlicePart) + kSliceCand * sizeof(unsigned long long));
+  return (size_t)n_rows * ((size_t)slice_count(n) * (sizeof(SlicePart) + kSliceCand * sizeof(unsigned long long)) +
+                           sizeof(NucleusRow));
 }
 
 int64_t sliced_vocab_max() { return (int64_t)kMaxSlices * kSlice; }
@@ -352,8 +345,8 @@ int64_t sliced_vocab_max() { return (int64_t)kMaxSlices * kSlice; }
 void sample_rows_sliced(float* d_logits, int64_t ld, int n_rows, int64_t n, const RowSampling* d_rows,
                         const LogitAdjust* d_adjust, int32_t* d_out, Stream stream, void* d_work) {
   const int n_slices = (int)slice_count(n);
-  auto* parts = static_cast<SlicePart*>(d_work);
-  auto* cands = reinterpret_cast<unsigned long long*>(parts + (size_t)n_rows * n_slices);
+  SlicePart* parts = work_parts(d_work);
+  unsigned long long* cands = work_cands(d_work, n_rows, n);
   const dim3 grid(n_slices, n_rows);
   slice_kernel<<<grid, kSliceThreads, 0, stream>>>(d_logits, ld, n, d_rows, d_adjust, parts, cands);
   check_launch("sample_rows (slices)");
