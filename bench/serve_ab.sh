@@ -5,11 +5,12 @@
 # "build/bin/merlin -- --kv-type q8_0"). Per repetition and configuration it starts the server (--parallel 32
 # -t 2), warms it up, and prints aggregate generated tok/s per client count. Not a test.
 #   bash bench/serve_ab.sh MODEL "1 32" REPS "BIN_A [VAR=V ...] [-- FLAGS]" "BIN_B ..." ...
-# Environment: NTOK (tokens per request, default 128).
+# Environment: NTOK (tokens per request, default 128), TEMP (the requests' temperature, default 0: greedy).
 set -u
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 model=$1; levels=$2; reps=$3; shift 3
 ntok=${NTOK:-128}
+temp=${TEMP:-0}
 for rep in $(seq 1 "$reps"); do
   for cfg in "$@"; do
     log=$(mktemp)
@@ -30,7 +31,7 @@ for rep in $(seq 1 "$reps"); do
     node "$root/bench/serve_load.mjs" "http://127.0.0.1:$port" -c 1 -r 1 -n 16 >/dev/null
     out="rep $rep [$cfg]"
     for c in $levels; do
-      line=$(node "$root/bench/serve_load.mjs" "http://127.0.0.1:$port" -c "$c" -n "$ntok")
+      line=$(node "$root/bench/serve_load.mjs" "http://127.0.0.1:$port" -c "$c" -n "$ntok" -t "$temp")
       out="$out c$c=$(node -p "JSON.parse(process.argv[1]).tokens_per_second" "$line")"
     done
     echo "$out"

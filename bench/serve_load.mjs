@@ -2,8 +2,8 @@
 // Load generator for `merlin serve` (bench/serve_bench.sh runs it): C clients, each sending streaming
 // /v1/completions requests one after another until R requests are done in all. Prints one JSON line:
 // aggregate generated tokens/s over the wall time, time to first token p50/p99, per-request decode rate.
-//   node bench/serve_load.mjs URL -c CLIENTS [-r REQUESTS] [-n MAX_TOKENS]
-// Every request has a different prompt and generates exactly MAX_TOKENS tokens (ignore_eos), greedy.
+//   node bench/serve_load.mjs URL -c CLIENTS [-r REQUESTS] [-n MAX_TOKENS] [-t TEMPERATURE]
+// Every request has a different prompt and generates exactly MAX_TOKENS tokens (ignore_eos), greedy unless -t.
 // It shares the machine with the server, so it uses node:http (keep-alive) rather than fetch(): fetch's
 // web streams cost about twice the CPU per SSE event. Every event is still read and parsed, and a request
 // whose usage does not report MAX_TOKENS generated tokens, or that sent no text, is an error.
@@ -11,14 +11,15 @@ import http from "node:http";
 
 const argv = process.argv.slice(2);
 const url = argv[0] ? new URL(argv[0]) : null;
-let clients = 1, requests = 0, maxTokens = 128;
+let clients = 1, requests = 0, maxTokens = 128, temperature = 0;
 for (let i = 1; i < argv.length; i++) {
     if (argv[i] === "-c") clients = Number(argv[++i]);
     else if (argv[i] === "-r") requests = Number(argv[++i]);
     else if (argv[i] === "-n") maxTokens = Number(argv[++i]);
+    else if (argv[i] === "-t") temperature = Number(argv[++i]);
 }
 if (!url || !(clients > 0)) {
-    console.error("usage: node bench/serve_load.mjs URL -c CLIENTS [-r REQUESTS] [-n MAX_TOKENS]");
+    console.error("usage: node bench/serve_load.mjs URL -c CLIENTS [-r REQUESTS] [-n MAX_TOKENS] [-t TEMPERATURE]");
     process.exit(2);
 }
 if (!requests) requests = Math.max(8, 2 * clients);
@@ -34,7 +35,7 @@ function prompt(i) {
 function one(i) {
     return new Promise((resolve, reject) => {
         const t0 = performance.now();
-        const body = JSON.stringify({prompt: prompt(i), max_tokens: maxTokens, temperature: 0, ignore_eos: true, stream: true,
+        const body = JSON.stringify({prompt: prompt(i), max_tokens: maxTokens, temperature, ignore_eos: true, stream: true,
             stream_options: {include_usage: true}});
         const req = http.request({
             host: url.hostname, port: url.port, path: "/v1/completions", method: "POST", agent,

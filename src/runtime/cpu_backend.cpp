@@ -33,6 +33,7 @@
 #include "kernels/cpu/quant.h"
 #include "runtime/backend.h"
 #include "runtime/model.h"
+#include "runtime/row_sampling.h"
 
 namespace merlin {
 namespace {
@@ -95,6 +96,8 @@ class CpuBackend final : public Backend {
   int n_seq() const override { return n_seq_; }
   void forward(const Batch& batch, float* logits) override;
   void forward_greedy(const Batch& batch, int64_t n_vocab, int32_t* tokens) override;
+  void forward_sample(const Batch& batch, int64_t n_vocab, std::span<const RowSampling> rows,
+                      std::span<const LogitAdjust> adjust, int32_t* tokens) override;
   void clear_sequence(int seq) override;
   int kv_block_size() const override { return block_size_; }
   int n_kv_blocks() const override { return n_blocks_; }
@@ -166,8 +169,10 @@ class CpuBackend final : public Backend {
   std::vector<uint8_t> act_buf_, qact_;         // qact_: per-thread q in the score kernel's format
   std::vector<float> row_;                      // per thread: one fused input row (max(dim, ffn_dim) floats)
   std::vector<float> rope_cs_;                  // per thread: cos/sin of a position's RoPE angles
-  AlignedArray<float> greedy_logits_;           // forward_greedy's logits rows (kept between calls)
+  AlignedArray<float> greedy_logits_;           // forward_greedy's / forward_sample's logits rows (kept)
   size_t greedy_logits_size_ = 0;
+  std::vector<SampleScratch> sample_scratch_;   // per thread: forward_sample's sample_row scratch
+  float* step_logits(size_t n_rows, int64_t n_vocab);
   // Greedy screening of a float output head (kernels/cpu/head_screen.h), for backends of many sequences.
   const kernels::HeadScreen* screen_ = nullptr;
   AlignedArray<uint8_t> screen_w_;              // the head's rows in int8, packed
@@ -328,13 +333,18 @@ void CpuBackend::forward(const Batch& batch, float* logits) {
 // scan, which on the calling thread alone left the other cores waiting. With a head screen (a backend of many
 // sequences, a float head, AVX-512) a step of kScreenMinRows or more rows picks its tokens through it instead:
 // the same ids in a fraction of the head's time.
-void CpuBackend::forward_greedy(const Batch& batch, int64_t n_vocab, int32_t* tokens) {
-  const size_t n = batch.n_logits(), need = n * (size_t)n_vocab;
+float* CpuBackend::step_logits(size_t n_rows, int64_t n_vocab) {
+  const size_t need = n_rows * (size_t)n_vocab;
   if (greedy_logits_size_ < need) {
     greedy_logits_ = aligned_array<float>(need);
     greedy_logits_size_ = need;
   }
-  float* logits = greedy_logits_.get();
+  return greedy_logits_.get();
+}
+
+void CpuBackend::forward_greedy(const Batch& batch, int64_t n_vocab, int32_t* tokens) {
+  const size_t n = batch.n_logits();
+  float* logits = step_logits(n, n_vocab);
   if (screen_ != nullptr && n >= (size_t)kScreenMinRows && n_vocab == c_.vocab_size) {
     run_layers(batch);
     if (greedy_screened(batch, tokens)) return;
@@ -348,6 +358,23 @@ void CpuBackend::forward_greedy(const Batch& batch, int64_t n_vocab, int32_t* to
   }
   pool_.for_chunks((int64_t)n, 1, [&](int, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) tokens[r] = kt_.argmax(logits + (size_t)r * n_vocab, n_vocab);
+  });
+}
+
+// The rows' draws (sample_row) spread over the threads, as forward_greedy's argmaxes: a draw without top-k
+// takes a few hundred microseconds of exps over 50K logits, so a 32-sequence step's draws on the calling
+// thread alone cost as much as a third of the step.
+void CpuBackend::forward_sample(const Batch& batch, int64_t n_vocab, std::span<const RowSampling> rows,
+                                std::span<const LogitAdjust> adjust, int32_t* tokens) {
+  const size_t n = batch.n_logits();
+  MERLIN_CHECK(rows.size() == n, "forward_sample: ", rows.size(), " sampling rows for ", n, " logits rows");
+  float* logits = step_logits(n, n_vocab);
+  forward(batch, logits);
+  sample_scratch_.resize((size_t)pool_.size());
+  pool_.for_chunks((int64_t)n, 1, [&](int thread, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      tokens[r] = sample_row(logits + (size_t)r * n_vocab, n_vocab, rows[(size_t)r], adjust.data(),
+                             sample_scratch_[(size_t)thread]);
   });
 }
 

@@ -14,12 +14,27 @@ bool better(const Candidate& a, const Candidate& b) {
   return a.second > b.second || (a.second == b.second && a.first < b.first);
 }
 
+// The row's largest value, in eight independent running maxima: std::max_element's one running value
+// kept every compare waiting on the previous one (about 100 µs for 50K logits, a third of a draw).
+float row_max(const float* x, int64_t n) {
+  float m[8];
+  for (float& v : m) v = x[0];
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) m[j] = x[i + j] > m[j] ? x[i + j] : m[j];
+  for (; i < n; ++i) m[0] = x[i] > m[0] ? x[i] : m[0];
+  for (int j = 1; j < 8; ++j) m[0] = m[j] > m[0] ? m[j] : m[0];
+  return m[0];
+}
+
 // cand = the n best tokens, sorted.
 void sort_best(const float* logits, int64_t n_vocab, size_t n, std::vector<Candidate>& cand) {
   cand.resize((size_t)n_vocab);
   for (int64_t i = 0; i < n_vocab; ++i) cand[(size_t)i] = {(int32_t)i, logits[i]};
   n = std::min(n, cand.size());
-  std::partial_sort(cand.begin(), cand.begin() + (std::ptrdiff_t)n, cand.end(), better);
+  // A lambda, not the function's name: a function pointer is not inlined into the sort (3x slower).
+  std::partial_sort(cand.begin(), cand.begin() + (std::ptrdiff_t)n, cand.end(),
+                    [](const Candidate& a, const Candidate& b) { return better(a, b); });
   cand.resize(n);
 }
 
@@ -102,7 +117,7 @@ int32_t sample_row(const float* logits, int64_t n_vocab, const RowSampling& r, c
     row = s.work.data();
   }
   if (r.temperature <= 0) return argmax(row, n_vocab);
-  const float max_logit = *std::max_element(row, row + n_vocab);
+  const float max_logit = row_max(row, n_vocab);
   if (!r.filtered()) return draw(row, n_vocab, max_logit, r, 0, s);  // the whole vocabulary, in id order
   return draw(row, n_vocab, max_logit, r, std::max<size_t>(1, nucleus(row, n_vocab, max_logit, r, s.cand)), s);
 }

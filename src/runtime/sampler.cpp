@@ -8,9 +8,11 @@
 namespace merlin {
 
 int32_t argmax(const float* logits, int64_t n) {
+  // The best value in a register: comparing against logits[best] reloaded it every element.
   int64_t best = 0;
+  float best_v = logits[0];
   for (int64_t i = 1; i < n; ++i)
-    if (logits[i] > logits[best]) best = i;
+    if (logits[i] > best_v) best_v = logits[i], best = i;
   return (int32_t)best;
 }
 

@@ -230,6 +230,38 @@ TEST(Generate, ForwardGreedyDefaultIsArgmaxOfLogits) {
   for (size_t r = 0; r < ids.size(); ++r) EXPECT_EQ(ids[r], argmax(logits.data() + r * (size_t)vocab, vocab));
 }
 
+// Backend::forward_sample on the CPU backend (rows spread over its threads): each row's token is sample_row
+// of forward()'s logits with that row's RowSampling and adjustments: greedy, unfiltered, filtered rows.
+TEST(Generate, CpuForwardSampleIsSampleRowOfLogits) {
+  auto m = Model::load(std::string(MERLIN_SOURCE_DIR) + "/models/merlin-default.gguf");
+  BackendOptions bo;
+  bo.n_threads = 2;
+  bo.n_seq = 2;
+  auto backend = make_cpu_backend(*m, bo);
+  const int64_t vocab = m->config().vocab_size;
+  Batch b;
+  for (int i = 0; i < 12; ++i) b.add(100 + 17 * i, i / 2, i % 2, i % 4 != 1);
+  std::vector<float> logits(b.n_logits() * (size_t)vocab);
+  backend->forward(b, logits.data());
+  std::vector<RowSampling> rows(b.n_logits());
+  std::vector<LogitAdjust> adjust;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    rows[r].temperature = r % 3 == 0 ? 0.0f : 0.6f + 0.2f * (float)r;
+    rows[r].top_k = r % 4 == 1 ? 40 : 0;
+    rows[r].top_p = r % 3 == 2 ? 0.9f : 1.0f;
+    rows[r].min_p = r % 5 == 3 ? 0.05f : 0.0f;
+    rows[r].u = (double)(r + 1) / (double)(rows.size() + 2);
+    rows[r].first = (int32_t)adjust.size();
+    adjust.push_back({(int32_t)(r * 131 % vocab), 3.0f, 0.5f, LogitAdjust::kBias | LogitAdjust::kPenalty});
+    rows[r].n_adjust = 1;
+  }
+  std::vector<int32_t> ids(rows.size(), -1);
+  backend->forward_sample(b, vocab, rows, adjust, ids.data());  // same positions: overwrites the same K/V
+  SampleScratch work;
+  for (size_t r = 0; r < ids.size(); ++r)
+    EXPECT_EQ(ids[r], sample_row(logits.data() + r * (size_t)vocab, vocab, rows[r], adjust.data(), work)) << "row " << r;
+}
+
 // A backend of many sequences picks the ids of a many-row step through the output-head screen (on an AVX-512
 // CPU; elsewhere the exact path): still the argmax of forward()'s logits, row for row, over several decode steps
 // of 32 sequences (the server's greedy step), with some rows not asking for logits. The default model's F16 head
