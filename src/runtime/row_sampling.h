@@ -44,6 +44,8 @@ struct SampleScratch {
   std::vector<float> work;                         // the adjusted row
   std::vector<std::pair<int32_t, float>> cand;     // the best candidates, sorted
   std::vector<double> weights;
+  std::vector<double> p1;      // the row's exp(l - max), without top-k
+  std::vector<double> bucket;  // their mass by logit below the maximum (the top-p prefix's histogram)
 };
 
 // The host definition of RowSampling: adjust is the step's whole list. (Plain pointers: the CUDA sources,
