@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/cpu/kernels.h"
 #include "runtime/sampler.h"
 
 namespace merlin {
@@ -96,7 +97,7 @@ size_t nucleus(const float* logits, int64_t n_vocab, float max_logit, const RowS
     for (const Candidate& c : cand) total += std::exp((double)(c.second - max_logit));
   } else if (r.top_p < 1.0f || r.min_p > 0) {
     s.p1.resize((size_t)n_vocab);
-    for (int64_t i = 0; i < n_vocab; ++i) total += s.p1[(size_t)i] = std::exp((double)(logits[i] - max_logit));
+    total = kernels::kernels().exp_weights(logits, n_vocab, max_logit, 1.0, s.p1.data());
   }
   // min-p keeps the candidates with p >= min_p * p_max: a count, no sort needed. It keeps a prefix of the
   // order, so with top-k on the count among the k best is min(k, the row's count).
@@ -132,9 +133,10 @@ int32_t draw(const float* logits, int64_t n_vocab, float max_logit, const RowSam
   const size_t n = n_kept ? n_kept : (size_t)n_vocab;
   s.weights.resize(n);
   double sum = 0;
-  for (size_t i = 0; i < n; ++i) {
-    const float l = n_kept ? s.cand[i].second : logits[i];
-    sum += s.weights[i] = std::exp((double)(l - max_logit) * inv_t);
+  if (n_kept == 0) {  // the whole row: the kernel's weights (vectorised exp; scalar level: the loop below)
+    sum = kernels::kernels().exp_weights(logits, n_vocab, max_logit, inv_t, s.weights.data());
+  } else {
+    for (size_t i = 0; i < n; ++i) sum += s.weights[i] = std::exp((double)(s.cand[i].second - max_logit) * inv_t);
   }
   double left = r.u * sum;
   for (size_t i = 0; i < n; ++i) {

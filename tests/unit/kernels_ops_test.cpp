@@ -172,6 +172,37 @@ TEST_P(OpsLevelTest, ArgmaxEqualsScalar) {
   }
 }
 
+// exp_weights: each weight within 2 ulp of the scalar level's std::exp (exactly equal at the scalar level),
+// the sum within 1e-13 relative, for differences from 0 down past exp's underflow (-745: subnormal and zero
+// weights), scales around 1, lengths around the 16-float step.
+TEST_P(OpsLevelTest, ExpWeightsMatchScalar) {
+  SKIP_IF_UNAVAILABLE(GetParam());
+  for (int64_t n : {1, 15, 16, 17, 100, 50257}) {
+    for (double scale : {1.0, 1.0 / 0.7, 1.0 / 1.3, 0.1}) {
+      SCOPED_TRACE("n=" + std::to_string(n) + " scale=" + std::to_string(scale));
+      std::vector<float> x = random_vec(n, -12, 4, rng);
+      if (n > 20) {
+        x[3] = -700.0f, x[5] = -745.0f, x[7] = -760.0f, x[9] = -1e30f;
+        x[11] = -7.0f * 1024.0f;  // far below: 0
+      }
+      const float mx = *std::max_element(x.begin(), x.end());
+      std::vector<double> w1((size_t)n), w2((size_t)n);
+      const double s1 = ref().exp_weights(x.data(), n, mx, scale, w1.data());
+      const double s2 = table().exp_weights(x.data(), n, mx, scale, w2.data());
+      for (int64_t i = 0; i < n; ++i) {
+        if (GetParam() == KernelLevel::Scalar) {
+          ASSERT_EQ(w1[(size_t)i], w2[(size_t)i]) << i;
+        } else if (w1[(size_t)i] >= std::numeric_limits<double>::min()) {
+          ASSERT_NEAR(w2[(size_t)i] / w1[(size_t)i], 1.0, 4.5e-16) << i << " x " << x[(size_t)i];
+        } else {
+          ASSERT_NEAR(w2[(size_t)i], w1[(size_t)i], 1e-320) << i;  // subnormal or zero: absolute
+        }
+      }
+      ASSERT_NEAR(s2 / s1, 1.0, 1e-13);
+    }
+  }
+}
+
 // The several-heads version must equal, bit for bit, one axpy_f16 call per (head, row) at the same level, for
 // head sizes on and off its 16-column vectors, head counts around its 8-vector tile, a row stride wider than
 // the heads, and a head's weights a stride apart.

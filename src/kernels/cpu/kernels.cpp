@@ -69,7 +69,7 @@ const MatmulKernel* matmul_at(DType type) {
 #define MERLIN_TABLE(L, ns) \
   KernelTable { L, &matmul_at<L>, &ns::rmsnorm, &ns::swiglu, &ns::dot, &ns::axpy, &ns::add, &ns::softmax, &ns::axpy_f16, \
               &ns::axpy_f16_rows, &ns::axpy_f16_heads, &ns::axpy_q8_0_rows, &ns::quantize_q8_0, &ns::round_f16, \
-              &ns::to_f16, &ns::rope, &ns::scores_f16, &ns::argmax }
+              &ns::to_f16, &ns::rope, &ns::scores_f16, &ns::argmax, &ns::exp_weights }
 
 const KernelTable kTables[] = {
     MERLIN_TABLE(KernelLevel::Scalar, scalar),

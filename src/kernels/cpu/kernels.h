@@ -91,6 +91,10 @@ struct KernelTable {
   // The first index of the largest of x[0, n) (greedy sampling): runtime's argmax(), NaNs never win and a NaN
   // at index 0 gives 0; 0 for n <= 0.
   int32_t (*argmax)(const float* x, int64_t n);
+  // Sampling weights: w[i] = exp((double)(x[i] - max) * scale) for i < n (x[i] <= max), and their sum. The
+  // scalar level is sample_row's definition (std::exp, summed in index order); the others compute each
+  // weight within 2 ulp of it and sum in lanes, so the sum can differ in its last bits.
+  double (*exp_weights)(const float* x, int64_t n, float max, double scale, double* w);
 };
 
 const KernelTable& kernels_for(KernelLevel level);

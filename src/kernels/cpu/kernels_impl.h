@@ -49,7 +49,8 @@ enum ScratchSlot : int { kScratchPackedW = 0, kScratchWeightRow = 1, kScratchRop
   void to_f16(const float* x, uint16_t* y, int64_t n);                             \
   void rope(float* x, int64_t n_heads, int64_t head_dim, int64_t n_rot, const float* cs, uint16_t* f16);  \
   void scores_f16(MERLIN_MATMUL_ARGS);                                             \
-  int32_t argmax(const float* x, int64_t n);
+  int32_t argmax(const float* x, int64_t n);                                      \
+  double exp_weights(const float* x, int64_t n, float max, double scale, double* w);
 
 }  // namespace merlin::kernels::detail
 

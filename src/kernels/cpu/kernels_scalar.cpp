@@ -148,4 +148,10 @@ int32_t argmax(const float* x, int64_t n) {
   return (int32_t)best;
 }
 
+double exp_weights(const float* x, int64_t n, float max, double scale, double* w) {
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += w[i] = std::exp((double)(x[i] - max) * scale);
+  return sum;
+}
+
 }  // namespace merlin::kernels::scalar

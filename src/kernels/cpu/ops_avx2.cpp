@@ -203,5 +203,8 @@ void softmax(float* x, int64_t n) {
 void scores_f16(MERLIN_MATMUL_ARGS) { matmul_f16(w, w_row_bytes, r0, r1, x, x_row_bytes, n_tokens, k, y, ldy); }
 
 int32_t argmax(const float* x, int64_t n) { return scalar::argmax(x, n); }
+double exp_weights(const float* x, int64_t n, float max, double scale, double* w) {
+  return scalar::exp_weights(x, n, max, scale, w);
+}
 
 }  // namespace merlin::kernels::avx2

@@ -472,4 +472,52 @@ int32_t argmax(const float* x, int64_t n) {
     if (x[i] == best) return (int32_t)i;
 }
 
+namespace {
+
+// exp of 8 doubles <= 0: x = n ln2 + r with n = round(x / ln2) (Cody-Waite: ln2 in two parts, n ln2_hi exact),
+// e^r by its Taylor polynomial of degree 13 on |r| <= ln2 / 2 (truncation below 1e-17), 2^n by vscalefpd,
+// which rounds subnormal results and gives 0 below about -745 as libm does. Within 2 ulp of std::exp. NaN
+// (a NaN logit) gives 0, not NaN.
+inline __m512d exp_pd(__m512d x) {
+  x = _mm512_max_pd(x, _mm512_set1_pd(-746.0));
+  const __m512d n = _mm512_roundscale_pd(_mm512_mul_pd(x, _mm512_set1_pd(1.4426950408889634)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512d r = _mm512_fnmadd_pd(n, _mm512_set1_pd(6.93147180369123816490e-01), x);
+  r = _mm512_fnmadd_pd(n, _mm512_set1_pd(1.90821492927058770002e-10), r);
+  static constexpr double kInvFact[] = {1.0 / 6227020800.0, 1.0 / 479001600.0, 1.0 / 39916800.0, 1.0 / 3628800.0,
+                                        1.0 / 362880.0,     1.0 / 40320.0,     1.0 / 5040.0,      1.0 / 720.0,
+                                        1.0 / 120.0,        1.0 / 24.0,        1.0 / 6.0,         0.5,
+                                        1.0,                1.0};
+  __m512d p = _mm512_set1_pd(kInvFact[0]);
+  for (int k = 1; k < 14; ++k) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(kInvFact[k]));
+  return _mm512_scalef_pd(p, n);
+}
+
+}  // namespace
+
+// Sixteen weights an iteration: the float difference as the scalar code, widened, scaled, exp_pd; two vector
+// sums (the order differs from the scalar loop's in the last bits).
+double exp_weights(const float* x, int64_t n, float max, double scale, double* w) {
+  const __m512 mx = _mm512_set1_ps(max);
+  const __m512d sc = _mm512_set1_pd(scale);
+  __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(x + i), mx);
+    const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(d));
+    const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(d), 1)));
+    const __m512d e0 = exp_pd(_mm512_mul_pd(lo, sc)), e1 = exp_pd(_mm512_mul_pd(hi, sc));
+    _mm512_storeu_pd(w + i, e0);
+    _mm512_storeu_pd(w + i + 8, e1);
+    s0 = _mm512_add_pd(s0, e0);
+    s1 = _mm512_add_pd(s1, e1);
+  }
+  double sum = _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
+  for (; i < n; ++i) {
+    const __m512d e = exp_pd(_mm512_set1_pd((double)(x[i] - max) * scale));
+    sum += w[i] = _mm512_cvtsd_f64(e);
+  }
+  return sum;
+}
+
 }  // namespace merlin::kernels::avx512
