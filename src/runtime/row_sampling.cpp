@@ -28,14 +28,28 @@ float row_max(const float* x, int64_t n) {
   return m[0];
 }
 
-// cand = the n best tokens, sorted.
+// cand = the n best tokens, sorted. For few of many (top-k 40 of 50K), only the tokens at or above the least
+// of n chunk maxima enter the sort: those are n tokens, so the n-th best is at least that value, and a few
+// hundred tokens pass instead of 50K (a draw's 90 µs were mostly this function).
 void sort_best(const float* logits, int64_t n_vocab, size_t n, std::vector<Candidate>& cand) {
+  const auto by_order = [](const Candidate& a, const Candidate& b) { return better(a, b); };
+  if (n > 0 && n * 16 <= (size_t)n_vocab) {
+    const int64_t chunk = n_vocab / (int64_t)n;
+    float floor_v = row_max(logits, chunk);
+    for (size_t c = 1; c < n; ++c) floor_v = std::min(floor_v, row_max(logits + (int64_t)c * chunk, chunk));
+    cand.clear();
+    for (int64_t i = 0; i < n_vocab; ++i)
+      if (logits[i] >= floor_v) cand.push_back({(int32_t)i, logits[i]});
+    n = std::min(n, cand.size());
+    std::partial_sort(cand.begin(), cand.begin() + (std::ptrdiff_t)n, cand.end(), by_order);
+    cand.resize(n);
+    return;
+  }
   cand.resize((size_t)n_vocab);
   for (int64_t i = 0; i < n_vocab; ++i) cand[(size_t)i] = {(int32_t)i, logits[i]};
   n = std::min(n, cand.size());
   // A lambda, not the function's name: a function pointer is not inlined into the sort (3x slower).
-  std::partial_sort(cand.begin(), cand.begin() + (std::ptrdiff_t)n, cand.end(),
-                    [](const Candidate& a, const Candidate& b) { return better(a, b); });
+  std::partial_sort(cand.begin(), cand.begin() + (std::ptrdiff_t)n, cand.end(), by_order);
   cand.resize(n);
 }
 
