@@ -153,7 +153,21 @@ int32_t draw(const float* logits, int64_t n_vocab, float max_logit, const RowSam
     for (size_t i = 0; i < n; ++i) sum += s.weights[i] = std::exp((double)(s.cand[i].second - max_logit) * inv_t);
   }
   double left = r.u * sum;
-  for (size_t i = 0; i < n; ++i) {
+  size_t i = 0;
+  if (n_kept == 0) {
+    // Whole blocks first: a block's sum (four chains) says whether the token lies in it, so the walk waits on
+    // one subtraction per 64 weights instead of one per weight (~30 of a whole-row draw's ~50 µs).
+    constexpr size_t kBlock = 64;
+    for (; i + kBlock <= n; i += kBlock) {
+      double b[4] = {0, 0, 0, 0};
+      for (size_t j = 0; j < kBlock; j += 4)
+        for (int q = 0; q < 4; ++q) b[q] += s.weights[i + j + (size_t)q];
+      const double block = (b[0] + b[1]) + (b[2] + b[3]);
+      if (left - block < 0) break;
+      left -= block;
+    }
+  }
+  for (; i < n; ++i) {
     left -= s.weights[i];
     if (left < 0) return n_kept ? s.cand[i].first : (int32_t)i;
   }

@@ -5,16 +5,13 @@
 #include <cstddef>
 #include <unordered_set>
 
+#include "kernels/cpu/kernels.h"
+
 namespace merlin {
 
-int32_t argmax(const float* logits, int64_t n) {
-  // The best value in a register: comparing against logits[best] reloaded it every element.
-  int64_t best = 0;
-  float best_v = logits[0];
-  for (int64_t i = 1; i < n; ++i)
-    if (logits[i] > best_v) best_v = logits[i], best = i;
-  return (int32_t)best;
-}
+// The kernel table's argmax (AVX-512 block maxima at that level): the first index of the largest, NaNs never
+// win, as the scalar loop.
+int32_t argmax(const float* logits, int64_t n) { return kernels::kernels().argmax(logits, n); }
 
 Sampler::Sampler(const SamplerOptions& opts) : opts_(opts), rng_(opts.seed) {}
 

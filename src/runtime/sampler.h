@@ -49,6 +49,7 @@ class Sampler {
   std::vector<Candidate> cand_;
 };
 
+// The first index of the largest of logits[0, n) (NaNs never win; 0 for n <= 0): KernelTable::argmax.
 int32_t argmax(const float* logits, int64_t n);
 
 }  // namespace merlin

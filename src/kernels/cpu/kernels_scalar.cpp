@@ -142,9 +142,11 @@ void softmax(float* x, int64_t n) {
 }
 
 int32_t argmax(const float* x, int64_t n) {
+  if (n <= 0) return 0;
   int64_t best = 0;
+  float best_v = x[0];  // in a register: comparing against x[best] reloaded it every element
   for (int64_t i = 1; i < n; ++i)
-    if (x[i] > x[best]) best = i;
+    if (x[i] > best_v) best_v = x[i], best = i;
   return (int32_t)best;
 }
 
