@@ -9,6 +9,10 @@
 #include <vector>
 
 #include "runtime/backend.h"
+#include "runtime/generate.h"
+#include "runtime/model.h"
+#include "runtime/row_sampling.h"
+#include "runtime/sampler.h"
 
 namespace merlin::test {
 
@@ -42,6 +46,31 @@ inline void expect_batch_matches_alone(Backend& backend, const std::vector<std::
     EXPECT_LE(max_diff(got, alone[si]), rel_tol * max_abs(alone[si])) << "sequence " << si;
     row += seqs[si].size();
   }
+}
+
+// What generate() must sample: a host loop over `twin`'s forward() logits (a fresh backend of the same model)
+// with sample_row and a Sampler's uniforms, Sampler::sample where row_sampling declines (repetition penalty).
+inline std::vector<int32_t> host_sampled_tokens(const Model& m, Backend& twin, const std::vector<int32_t>& prompt,
+                                                const SamplerOptions& so, int n_predict) {
+  const int64_t vocab = m.config().vocab_size;
+  Sampler sampler(so);
+  for (int32_t t : prompt) sampler.accept(t);
+  std::vector<float> logits = prefill(m, twin, prompt, 0, 0, false);
+  std::vector<int32_t> want;
+  SampleScratch scratch;
+  for (int i = 0; i < n_predict; ++i) {
+    if (i > 0) {
+      Batch b;
+      b.add(want.back(), (int)(prompt.size() + want.size()) - 1, 0, true);
+      twin.forward(b, logits.data());
+    }
+    RowSampling r;
+    const int32_t tok = sampler.row_sampling(r) ? sample_row(logits.data(), vocab, r, nullptr, scratch)
+                                                : sampler.sample(logits.data(), vocab);
+    sampler.accept(tok);
+    want.push_back(tok);
+  }
+  return want;
 }
 
 }  // namespace merlin::test

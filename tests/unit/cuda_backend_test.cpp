@@ -374,7 +374,6 @@ TEST(CudaBackend, GreedyIdsOnDeviceMatchHostArgmax) {
 TEST(CudaBackend, GenerateSamplesOnTheDevice) {
   REQUIRE_GPU();
   auto m = Model::load(Models::get().path(DType::Q8_0));
-  const int64_t vocab = m->config().vocab_size;
   std::vector<int32_t> prompt = {m->tokenizer().bos_id() >= 0 ? m->tokenizer().bos_id() : 0};
   for (int32_t id : m->tokenizer().encode("Once upon a time, there was a little", false)) prompt.push_back(id);
   for (float penalty : {1.0f, 1.3f}) {
@@ -390,23 +389,7 @@ TEST(CudaBackend, GenerateSamplesOnTheDevice) {
       return true;
     });
     auto twin = make_backend("cuda", *m, opts_with());
-    Sampler sampler(go.sampling);
-    for (int32_t t : prompt) sampler.accept(t);
-    std::vector<float> logits = prefill(*m, *twin, prompt, 0, 0, false);
-    std::vector<int32_t> want;
-    SampleScratch scratch;
-    for (int i = 0; i < go.n_predict; ++i) {
-      if (i > 0) {
-        Batch b;
-        b.add(want.back(), (int)(prompt.size() + want.size()) - 1, 0, true);
-        twin->forward(b, logits.data());
-      }
-      RowSampling r;
-      const int32_t tok = sampler.row_sampling(r) ? sample_row(logits.data(), vocab, r, nullptr, scratch)
-                                                  : sampler.sample(logits.data(), vocab);
-      sampler.accept(tok);
-      want.push_back(tok);
-    }
+    const std::vector<int32_t> want = test::host_sampled_tokens(*m, *twin, prompt, go.sampling, go.n_predict);
     EXPECT_EQ(got, want);
     EXPECT_GT(std::set<int32_t>(got.begin(), got.end()).size(), 8u);  // sampled, not a loop of one token
   }

@@ -177,7 +177,6 @@ TEST(Generate, KvCacheAndNoCacheGiveSameTokens) {
 // repetition penalty it keeps Sampler::sample.
 TEST(Generate, SamplingOnTheCpuIsSampleRow) {
   auto m = Model::load(std::string(MERLIN_SOURCE_DIR) + "/models/merlin-default.gguf");
-  const int64_t vocab = m->config().vocab_size;
   const std::vector<int32_t> prompt = m->tokenizer().encode("Once upon a time", false);
   const SamplerOptions cases[] = {{1.0f, 0, 1.0f, 0.0f, 1.0f, 64, 5}, {0.8f, 40, 0.95f, 0.05f, 1.0f, 64, 6},
                                   {0.8f, 40, 0.95f, 0.05f, 1.3f, 64, 7}};
@@ -191,23 +190,7 @@ TEST(Generate, SamplingOnTheCpuIsSampleRow) {
     std::vector<int32_t> got;
     generate(*m, *backend, prompt, go, [&](int32_t id) { got.push_back(id); return true; });
     auto twin = make_cpu_backend(*m, BackendOptions{});
-    Sampler sampler(so);
-    for (int32_t t : prompt) sampler.accept(t);
-    std::vector<float> logits = prefill(*m, *twin, prompt, 0, 0, false);
-    std::vector<int32_t> want;
-    SampleScratch scratch;
-    for (int i = 0; i < go.n_predict; ++i) {
-      if (i > 0) {
-        Batch b;
-        b.add(want.back(), (int)(prompt.size() + want.size()) - 1, 0, true);
-        twin->forward(b, logits.data());
-      }
-      RowSampling r;
-      const int32_t tok = sampler.row_sampling(r) ? sample_row(logits.data(), vocab, r, nullptr, scratch)
-                                                  : sampler.sample(logits.data(), vocab);
-      sampler.accept(tok);
-      want.push_back(tok);
-    }
+    const std::vector<int32_t> want = test::host_sampled_tokens(*m, *twin, prompt, so, go.n_predict);
     EXPECT_EQ(got, want);
   }
 }
