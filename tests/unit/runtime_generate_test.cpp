@@ -195,14 +195,19 @@ TEST(Generate, SamplingOnTheCpuIsSampleRow) {
   }
 }
 
+// A CPU backend of two sequences on two threads (the step tests below: rows of both sequences in one batch).
+static std::unique_ptr<Backend> two_sequence_cpu_backend(const Model& m) {
+  BackendOptions bo;
+  bo.n_threads = 2;
+  bo.n_seq = 2;
+  return make_cpu_backend(m, bo);
+}
+
 // Backend::forward_greedy (the CPU backend's, for few rows): the argmax of each logits row forward() gives,
 // in batch order, for the rows that want logits only.
 TEST(Generate, ForwardGreedyDefaultIsArgmaxOfLogits) {
   auto m = Model::load(std::string(MERLIN_SOURCE_DIR) + "/models/merlin-default.gguf");
-  BackendOptions bo;
-  bo.n_threads = 2;
-  bo.n_seq = 2;
-  auto backend = make_cpu_backend(*m, bo);
+  auto backend = two_sequence_cpu_backend(*m);
   const int64_t vocab = m->config().vocab_size;
   Batch b;
   for (int i = 0; i < 9; ++i) b.add(100 + 17 * i, i / 2, i % 2, i % 3 != 1);
@@ -217,10 +222,7 @@ TEST(Generate, ForwardGreedyDefaultIsArgmaxOfLogits) {
 // of forward()'s logits with that row's RowSampling and adjustments: greedy, unfiltered, filtered rows.
 TEST(Generate, CpuForwardSampleIsSampleRowOfLogits) {
   auto m = Model::load(std::string(MERLIN_SOURCE_DIR) + "/models/merlin-default.gguf");
-  BackendOptions bo;
-  bo.n_threads = 2;
-  bo.n_seq = 2;
-  auto backend = make_cpu_backend(*m, bo);
+  auto backend = two_sequence_cpu_backend(*m);
   const int64_t vocab = m->config().vocab_size;
   Batch b;
   for (int i = 0; i < 12; ++i) b.add(100 + 17 * i, i / 2, i % 2, i % 4 != 1);
