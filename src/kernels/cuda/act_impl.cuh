@@ -143,14 +143,18 @@ __device__ __forceinline__ float row_scale(const PrepArgs& p, const float* x, in
   }
 }
 
+// silu(g) * u, rounded step by step as the CPU does (shared with matvec1.cu's fused SwiGLU epilogue).
+__device__ __forceinline__ float swiglu(float g, float u) {
+  return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+}
+
 // w: the RMSNorm weight of element i (RmsNorm only).
 template <int Mode>
 __device__ __forceinline__ float prep_value(const PrepArgs& p, const float* x, int64_t i, float scale, float w) {
   if constexpr (Mode == (int)Prep::RmsNorm) {
     return __fmul_rn(__fmul_rn(x[i], scale), w);
   } else if constexpr (Mode == (int)Prep::SwiGlu) {
-    const float g = x[i];
-    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), x[i + p.glu_offset]);
+    return swiglu(x[i], x[i + p.glu_offset]);
   } else {
     (void)scale, (void)w;
     return x[i];

@@ -128,6 +128,7 @@ class CudaBackend final : public Backend {
   void run_linear(const Linear& l, const cuda::PrepArgs& p, int n, float* y, int64_t ldy, int64_t n_out, bool acc,
                   bool prepared = false);
   ActBuf* attention_output_act(const Linear& wo, int n);
+  bool run_gate_up_swiglu(const Layer& L, const cuda::PrepArgs& norm, int64_t ffn_off);
   void run_qkv(const Layer& L, const cuda::PrepArgs& norm, int n, const int32_t* pos, const int32_t* seq,
                const cuda::KvArgs& kv);
   float* upload_floats(const std::vector<float>& v);
@@ -140,6 +141,7 @@ class CudaBackend final : public Backend {
   bool fuse_prep_ = false;
   bool attn_emits_ = true;  // MERLIN_CUDA_ATTN_EMIT=0: a separate kernel quantizes the attention output
   bool rope_fuse_ = true;   // MERLIN_CUDA_ROPE_FUSE=0: one-token steps run rope_kv as its own kernel
+  bool glu_fuse_ = true;    // MERLIN_CUDA_GLU_FUSE=0: one-token steps run SwiGLU as its own kernel
   // Steps of at least gemm_min_ tokens run their products through cuBLAS (gemm.cu); 0: never.
   int gemm_min_ = 0;
   // Eager steps of at least flash_min_ tokens use the tiled attention kernel (flash_attention.cu); 0: never.
@@ -204,6 +206,7 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   if (const char* f = std::getenv("MERLIN_CUDA_FUSE"); f && std::string(f) == "1") fuse_prep_ = true;
   if (const char* f = std::getenv("MERLIN_CUDA_ATTN_EMIT"); f && std::string(f) == "0") attn_emits_ = false;
   if (const char* f = std::getenv("MERLIN_CUDA_ROPE_FUSE"); f && std::string(f) == "0") rope_fuse_ = false;
+  if (const char* f = std::getenv("MERLIN_CUDA_GLU_FUSE"); f && std::string(f) == "0") glu_fuse_ = false;
   if (kv_q8_) rope_fuse_ = false;  // a Q8_0 block of 32 is quantized by rope_kv, not by product epilogues
   if (const char* k = std::getenv("MERLIN_CUDA_SPLITK"); k && std::string(k) == "0") split_attention_ = false;
   // Prefill products: from 64 tokens on, dequantizing to halves and cuBLAS beat the batched tensor-core kernel,
@@ -447,6 +450,19 @@ void CudaBackend::run_qkv(const Layer& L, const cuda::PrepArgs& norm, int n, con
                 (int)c_.rot_dims(), kv, stream_);
 }
 
+// One-token steps: the gate/up product writes silu(gate) * up straight into the down product's input
+// (matvec1_swiglu: one kernel less per layer, same bits). False where it does not apply (nothing queued).
+bool CudaBackend::run_gate_up_swiglu(const Layer& L, const cuda::PrepArgs& norm, int64_t ffn_off) {
+  if (!glu_fuse_ || L.gate_up.mats.size() != 1) return false;
+  const ActKind kind = L.down.mats[0].act();
+  for (const Matrix& m : L.down.mats)
+    if (m.act() != kind || m.k != c_.ffn_dim) return false;
+  const Matrix& m = L.gate_up.mats[0];
+  if (!cuda::swiglu_fuses(m, c_.ffn_dim, ffn_off, kind)) return false;
+  prepare_inputs(norm, L.gate_up, 1, false);
+  return cuda::matvec1_swiglu(m, act(m.act(), m.k), c_.ffn_dim, ffn_off, act(kind, c_.ffn_dim), stream_);
+}
+
 void CudaBackend::run_linear(const Linear& l, const cuda::PrepArgs& p, int n, float* y, int64_t ldy, int64_t n_out,
                              bool acc, bool prepared) {
   // With MERLIN_CUDA_FUSE=1, decode-sized steps let each product prepare its own input (one launch instead
@@ -501,9 +517,10 @@ void CudaBackend::enqueue(int n, int n_out, Output out) {
     cuda::PrepArgs plain{cuda::Prep::Plain, att_, q_dim, nullptr, 0, 0, nullptr};
     run_linear(L.wo, plain, n, x_, c_.dim, c_.dim, true, wo_in != nullptr);
     cuda::PrepArgs norm2{cuda::Prep::RmsNorm, x_, c_.dim, L.ffn_norm, c_.norm_eps, 0, nullptr};
-    run_linear(L.gate_up, norm2, n, gu_, gu_ld, gu_ld, false);
+    const bool glu_done = n == 1 && run_gate_up_swiglu(L, norm2, ffn_off);
+    if (!glu_done) run_linear(L.gate_up, norm2, n, gu_, gu_ld, gu_ld, false);
     cuda::PrepArgs glu{cuda::Prep::SwiGlu, gu_, gu_ld, nullptr, 0, ffn_off, nullptr};
-    run_linear(L.down, glu, n, x_, c_.dim, c_.dim, true);
+    run_linear(L.down, glu, n, x_, c_.dim, c_.dim, true, glu_done);
   }
   if (n_out > 0) {
     cuda::PrepArgs fin{cuda::Prep::RmsNorm, x_, c_.dim, out_norm_, c_.norm_eps, 0, rows};

@@ -19,11 +19,18 @@
 //
 // F16/BF16 rows have their own kernel (matvec1_half.cu). With rope_on (matmul_rope_kv) the epilogue of a
 // stacked QKV product applies RoPE and writes K/V to the cache itself (rope_kv.cuh).
+//
+// The Glu variant (matvec1_swiglu) multiplies a stacked [gate; up] matrix and writes silu(gate) * up in the
+// down product's input format, so one-token steps need no SwiGLU kernel: a tile group takes its first half
+// of tiles from the gate rows and the second half from the same rows of up (S <= 2, so a group holds at
+// least 32 outputs, a whole Q8_0 block), and after the group's reduction its first warps run act_impl.cuh's
+// swiglu() and emit() on them, the functions prep_kernel runs, on the same row sums: the same bits.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
+#include "kernels/cuda/act_impl.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/fragment.cuh"
 #include "kernels/cuda/matrix_layout.cuh"
@@ -55,6 +62,9 @@ struct Mv1Args {
   int accumulate;
   int rope_on;      // 1: y is the stacked QKV product, finished by rope_store (matmul_rope_kv)
   RopeKvArgs rope;
+  int glu_up_tile;  // Glu variant: first tile of the up rows
+  int glu_tiles;    // Glu variant: tiles of outputs (ffn / 16) in each half
+  ActBuf glu_out;   // Glu variant: the down product's input (Q8_0, F16, BF16 or F32), row 0
 };
 
 // Scale words per round: per k-step (Q8_0, Q4_0: half2 of rows g, g + 8; MXFP4: their e8m0 bytes), per
@@ -363,6 +373,44 @@ __device__ __forceinline__ void finish_group(const Mv1Args& p, int grp, int warp
   // write that half again after the next group's barrier, which every reader of this half has passed.
 }
 
+// Glu variant: the group's gate tiles are slots 0 .. tpg/2 - 1, the matching up tiles the others. Output o of
+// the group (gate row and up row o) is summed in the order finish_group sums a row, then emitted by whole
+// warps (32 consecutive outputs: one Q8_0 block).
+__device__ __forceinline__ void finish_glu(const Mv1Args& p, int grp, int warp, int lane, float acc0, float acc1,
+                                           float (*red)[16]) {
+  acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
+  acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
+  acc0 += __shfl_xor_sync(0xffffffffu, acc0, 2);
+  acc1 += __shfl_xor_sync(0xffffffffu, acc1, 2);
+  if ((lane & 3) == 0) {
+    red[warp][lane >> 2] = acc0;
+    red[warp][(lane >> 2) + 8] = acc1;
+  }
+  __syncthreads();
+  const int S = 1 << p.lsplit, half = (kWarps >> p.lsplit) >> 1;
+  if ((int)threadIdx.x >= half * 16) return;  // 32 or 64 threads: whole warps
+  const int ts = threadIdx.x >> 4, rr = threadIdx.x & 15;
+  float g, u;
+  if (S == 1) {  // finish_group takes a lone warp's sum as it is
+    g = red[ts][rr];
+    u = red[ts + half][rr];
+  } else {
+    g = 0.f, u = 0.f;
+    for (int s = 0; s < S; ++s) g += red[ts * S + s][rr];
+    for (int s = 0; s < S; ++s) u += red[(ts + half) * S + s][rr];
+  }
+  const int64_t o = ((int64_t)grp * half + ts) * 16 + rr;
+  const bool valid = o < (int64_t)p.glu_tiles * 16;  // whole blocks of 32: ffn % 32 == 0
+  const float v = valid ? swiglu(g, u) : 0.f;
+  ActBuf out = p.glu_out;
+  switch (out.kind) {
+    case ActKind::Q8_0: emit<(int)ActKind::Q8_0>(v, valid, 0, o, out); break;
+    case ActKind::F16: emit<(int)ActKind::F16>(v, valid, 0, o, out); break;
+    case ActKind::BF16: emit<(int)ActKind::BF16>(v, valid, 0, o, out); break;
+    default: emit<(int)ActKind::F32>(v, valid, 0, o, out); break;
+  }
+}
+
 __device__ __forceinline__ void advance(const Mv1Args& p, Cursor& c) {
   if (++c.r == p.rounds) {
     c.r = 0;
@@ -376,7 +424,7 @@ __device__ __forceinline__ void advance(const Mv1Args& p, Cursor& c) {
 // Both variants are compiled so that MERLIN_CUDA_MV1=2 or =3 can force one for timing.
 __host__ __device__ constexpr int min_blocks(int) { return 2; }
 
-template <int F, int MB>
+template <int F, int MB, bool Glu>
 __global__ void __launch_bounds__(kThreads, MB) mv1_kernel(Mv1Args p) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float red[2][kWarps][16];
@@ -388,9 +436,16 @@ __global__ void __launch_bounds__(kThreads, MB) mv1_kernel(Mv1Args p) {
   const int bx = (int)blockIdx.x, nb = (int)gridDim.x;
   const int my_groups = bx < p.groups ? (p.groups - bx + nb - 1) / nb : 0;
   const int n_items = my_groups * p.rounds;
-  auto tile_of = [&](const Cursor& c) { return c.grp * tpg + slot; };
+  const int half = tpg >> 1;
+  auto tile_of = [&](const Cursor& c) {
+    if constexpr (Glu) return slot < half ? c.grp * half + slot : p.glu_up_tile + c.grp * half + slot - half;
+    return c.grp * tpg + slot;
+  };
   auto chunk_of = [&](const Cursor& c) { return (sub + c.r * S) * kRound; };
-  auto nc_of = [&](const Cursor& c) { return tile_of(c) < p.tiles ? p.n_chunks : 0; };
+  auto nc_of = [&](const Cursor& c) {
+    if constexpr (Glu) return c.grp * half + (slot < half ? slot : slot - half) < p.glu_tiles ? p.n_chunks : 0;
+    return tile_of(c) < p.tiles ? p.n_chunks : 0;
+  };
 
   // The first round is requested before pdl_wait (weights do not depend on earlier kernels). Requesting
   // the second one there too made ptxas spill in every variant.
@@ -412,7 +467,8 @@ __global__ void __launch_bounds__(kThreads, MB) mv1_kernel(Mv1Args p) {
     if (i + 1 < n_items) load_round<F>(p, tile_of(nx), chunk_of(nx), nc_of(nx), lane, next);
     compute_round<F>(p, now, chunk_of(cur), nc_of(cur), xq, xs, t, acc0, acc1);
     if (cur.r == p.rounds - 1) {
-      finish_group(p, cur.grp, warp, lane, acc0, acc1, red[parity], at);
+      if constexpr (Glu) finish_glu(p, cur.grp, warp, lane, acc0, acc1, red[parity]);
+      else finish_group(p, cur.grp, warp, lane, acc0, acc1, red[parity], at);
       parity ^= 1;
       acc0 = acc1 = 0.f;
     }
@@ -429,22 +485,26 @@ template <int F>
 size_t smem_bytes(int64_t k) { return F == kQ4_0 ? (size_t)k * 2 : (size_t)k + (size_t)(k / 32) * 4; }
 
 int g_sm_count = 0;
-// CTAs per SM of mv1_kernel<F, MB> for rows up to (bucket + 1) * kKBucket, [F][MB - 2][bucket].
-int g_resident[8][2][kBuckets] = {};
+int g_split_override = -1;  // set_matvec1_split (tests): log2 of the warps per tile, -1 = chosen per matrix
+// CTAs per SM of mv1_kernel<F, MB, Glu> for rows up to (bucket + 1) * kKBucket, [F][MB - 2 + Glu][bucket]
+// (the Glu variant is built for MB = 2 only).
+int g_resident[8][3][kBuckets] = {};
 
-template <int F, int MB>
+template <int F, int MB, bool Glu>
 void prepare_mb() {
-  MERLIN_CUDA_CHECK(
-      cudaFuncSetAttribute(mv1_kernel<F, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes<F>(kMaxK)));
+  const auto kernel = mv1_kernel<F, MB, Glu>;
+  MERLIN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes<F>(kMaxK)));
   for (int b = 0; b < kBuckets; ++b)
-    MERLIN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&g_resident[F][MB - 2][b], mv1_kernel<F, MB>,
+    MERLIN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&g_resident[F][MB - 2 + (Glu ? 2 : 0)][b], kernel,
                                                                      kThreads, smem_bytes<F>((b + 1) * kKBucket)));
 }
 
+
 template <int F>
 void prepare() {
-  prepare_mb<F, 2>();
-  prepare_mb<F, 3>();
+  prepare_mb<F, 2, false>();
+  prepare_mb<F, 3, false>();
+  prepare_mb<F, 2, true>();
 }
 
 // MERLIN_CUDA_MV1 (read once): 0 = off (the general product runs), 2 / 3 = force that register budget
@@ -460,9 +520,29 @@ int mv1_mode() {
   return mode;
 }
 
+// Warps per tile S = 2^lsplit: the one that minimizes the busiest CTA's work, (tile groups per CTA) x
+// (rounds per warp and tile); ties go to the smaller S (fewer reductions and barriers). The Glu variant's
+// groups cover tpg / 2 output tiles (and as many up tiles), and S <= 2.
+void choose_split(Mv1Args& p, int64_t ctas, bool glu) {
+  int ls = 0;
+  int64_t best = INT64_MAX;
+  for (int l = 0; l <= (glu ? 1 : 3); ++l) {
+    const int64_t per_group = glu ? (kWarps >> l) / 2 : kWarps >> l, tiles = glu ? p.glu_tiles : p.tiles;
+    const int64_t groups = (tiles + per_group - 1) / per_group;
+    const int64_t rounds = (p.n_chunks + (kRound << l) - 1) / (kRound << l);
+    const int64_t cost = (groups + ctas - 1) / ctas * rounds;
+    if (cost < best) best = cost, ls = l;
+  }
+  if (g_split_override >= 0) ls = std::min(g_split_override, glu ? 1 : 3);
+  p.lsplit = ls;
+  p.rounds = (p.n_chunks + (kRound << ls) - 1) / (kRound << ls);
+  const int per_group = glu ? (kWarps >> ls) / 2 : kWarps >> ls;
+  p.groups = ((glu ? p.glu_tiles : p.tiles) + per_group - 1) / per_group;
+}
+
 template <int F>
 void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool accumulate, Stream stream,
-            const RopeKvArgs* rope = nullptr) {
+            const RopeKvArgs* rope = nullptr, const ActBuf* glu_out = nullptr, int64_t glu_up_row = 0) {
   const Geometry geo = geometry(F, w.rows, w.k);
   Mv1Args p{};
   p.q = w.q;
@@ -479,26 +559,20 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
   p.accumulate = accumulate ? 1 : 0;
   p.rope_on = rope ? 1 : 0;
   if (rope) p.rope = *rope;
-  const int mb = mv1_mode() >= 2 ? mv1_mode() : min_blocks(F);
-  const int per_sm = std::max(1, g_resident[F][mb - 2][(w.k - 1) / kKBucket]);
-  const int64_t ctas = (int64_t)g_sm_count * per_sm;
-  // Warps per tile S: the one that minimizes the busiest CTA's work, (tile groups per CTA) x (rounds per
-  // warp and tile); ties go to the smaller S (fewer reductions and barriers).
-  int ls = 0;
-  int64_t best = INT64_MAX;
-  for (int l = 0; l <= 3; ++l) {
-    const int64_t groups = (p.tiles + (kWarps >> l) - 1) / (kWarps >> l);
-    const int64_t rounds = (p.n_chunks + (kRound << l) - 1) / (kRound << l);
-    const int64_t cost = (groups + ctas - 1) / ctas * rounds;
-    if (cost < best) best = cost, ls = l;
+  if (glu_out) {
+    p.glu_out = *glu_out;
+    p.glu_up_tile = (int)(glu_up_row / 16);
+    p.glu_tiles = (int)(n_out / 16);
   }
-  p.lsplit = ls;
-  p.rounds = (p.n_chunks + (kRound << ls) - 1) / (kRound << ls);
-  const int tpg = kWarps >> ls;
-  p.groups = (p.tiles + tpg - 1) / tpg;
+  const int mb = glu_out || mv1_mode() < 2 ? min_blocks(F) : mv1_mode();
+  const int per_sm = std::max(1, g_resident[F][mb - 2 + (glu_out ? 2 : 0)][(w.k - 1) / kKBucket]);
+  const int64_t ctas = (int64_t)g_sm_count * per_sm;
+  choose_split(p, ctas, glu_out != nullptr);
   const unsigned grid = (unsigned)std::min<int64_t>(p.groups, ctas);
-  if (mb == 2) launch_pdl(mv1_kernel<F, 2>, dim3(grid), dim3(kThreads), smem_bytes<F>(w.k), stream, p);
-  else launch_pdl(mv1_kernel<F, 3>, dim3(grid), dim3(kThreads), smem_bytes<F>(w.k), stream, p);
+  const size_t smem = smem_bytes<F>(w.k);
+  if (glu_out) launch_pdl(mv1_kernel<F, 2, true>, dim3(grid), dim3(kThreads), smem, stream, p);
+  else if (mb == 2) launch_pdl(mv1_kernel<F, 2, false>, dim3(grid), dim3(kThreads), smem, stream, p);
+  else launch_pdl(mv1_kernel<F, 3, false>, dim3(grid), dim3(kThreads), smem, stream, p);
   check_launch("matvec1");
 }
 
@@ -507,16 +581,16 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
 namespace {
 
 bool dispatch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out_rows, bool accumulate, Stream stream,
-              const RopeKvArgs* rope) {
+              const RopeKvArgs* rope, const ActBuf* glu_out = nullptr, int64_t glu_up_row = 0) {
   if (mv1_mode() == 0 || w.k > kMaxK || w.k <= 0 || g_sm_count == 0) return false;
   const int64_t n_out = std::min(n_out_rows, w.rows);
   if (n_out <= 0) return true;
   switch (w.fmt) {
-    case kQ8_0: launch<kQ8_0>(w, x, d_y, n_out, accumulate, stream, rope); return true;
-    case kQ4_0: launch<kQ4_0>(w, x, d_y, n_out, accumulate, stream, rope); return true;
-    case kMXFP4: launch<kMXFP4>(w, x, d_y, n_out, accumulate, stream, rope); return true;
-    case kQ4_K: launch<kQ4_K>(w, x, d_y, n_out, accumulate, stream, rope); return true;
-    case kTQ2: launch<kTQ2>(w, x, d_y, n_out, accumulate, stream, rope); return true;
+    case kQ8_0: launch<kQ8_0>(w, x, d_y, n_out, accumulate, stream, rope, glu_out, glu_up_row); return true;
+    case kQ4_0: launch<kQ4_0>(w, x, d_y, n_out, accumulate, stream, rope, glu_out, glu_up_row); return true;
+    case kMXFP4: launch<kMXFP4>(w, x, d_y, n_out, accumulate, stream, rope, glu_out, glu_up_row); return true;
+    case kQ4_K: launch<kQ4_K>(w, x, d_y, n_out, accumulate, stream, rope, glu_out, glu_up_row); return true;
+    case kTQ2: launch<kTQ2>(w, x, d_y, n_out, accumulate, stream, rope, glu_out, glu_up_row); return true;
     case kF16:
     case kBF16: return matvec1_half(w, x, d_y, n_out, accumulate, stream, rope);
     default: return false;
@@ -532,6 +606,35 @@ bool matvec1(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out_rows, b
 bool matvec1_rope_kv(const Matrix& w, const ActBuf& x, float* d_qkv, const RopeKvArgs& r, Stream stream) {
   return dispatch(w, x, d_qkv, w.rows, false, stream, &r);
 }
+
+// The split the plain product of w picks (choose_split). The SwiGLU epilogue needs S <= 2; where the plain
+// product splits k over more warps (short rows: base's k = 768), forcing S = 2 made the step slower than
+// the separate SwiGLU kernel (H200, base q8_0 tg128 3,785 -> 3,438 t/s), so the epilogue is used only
+// where it costs the product nothing.
+static int plain_split(const Matrix& w) {
+  const Geometry geo = geometry(w.fmt, w.rows, w.k);
+  Mv1Args p{};
+  p.tiles = (int)geo.tiles;
+  p.n_chunks = (int)geo.n_chunks;
+  const int per_sm = std::max(1, g_resident[w.fmt][min_blocks(w.fmt) - 2][(w.k - 1) / kKBucket]);
+  choose_split(p, (int64_t)g_sm_count * per_sm, false);
+  return p.lsplit;
+}
+
+bool swiglu_fuses(const Matrix& w, int64_t ffn, int64_t up_row, ActKind out) {
+  const bool fmt = w.fmt == kQ8_0 || w.fmt == kQ4_0 || w.fmt == kMXFP4 || w.fmt == kQ4_K || w.fmt == kTQ2;
+  return fmt && out != ActKind::Q8_K && mv1_mode() != 0 && g_sm_count > 0 && w.k > 0 && w.k <= kMaxK &&
+         ffn > 0 && ffn % 32 == 0 && up_row % 16 == 0 && up_row >= ffn && up_row + ffn <= w.rows &&
+         (g_split_override >= 0 || plain_split(w) <= 1);
+}
+
+bool matvec1_swiglu(const Matrix& w, const ActBuf& x, int64_t ffn, int64_t up_row, ActBuf& out, Stream stream) {
+  if (!swiglu_fuses(w, ffn, up_row, out.kind)) return false;
+  MERLIN_CHECK(out.k == ffn && out.n_cap >= 1, "matvec1_swiglu: output buffer of ", out.k, " elements for ", ffn);
+  return dispatch(w, x, nullptr, ffn, false, stream, nullptr, &out, up_row);
+}
+
+void set_matvec1_split(int lsplit) { g_split_override = lsplit; }
 
 void init_matvec1_kernels() {
   int dev = 0;

@@ -113,6 +113,16 @@ bool prep_fuses(const Matrix& w, int n);
 void matmul_prep(const Matrix& w, const PrepArgs& prep, ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out_rows,
                  bool accumulate, Stream stream);
 
+// One token through a stacked [gate; up] matrix (up's rows from up_row), written as silu(gate) * up in
+// out's format (the down product's input, row 0): the bits of matmul() then prep_act(SwiGlu), in one
+// kernel. swiglu_fuses says whether it applies (the single-token formats other than F16/BF16, outputs
+// other than Q8_K, ffn % 32 == 0); matvec1_swiglu returns false (nothing queued) where it does not.
+bool swiglu_fuses(const Matrix& w, int64_t ffn, int64_t up_row, ActKind out);
+bool matvec1_swiglu(const Matrix& w, const ActBuf& x, int64_t ffn, int64_t up_row, ActBuf& out, Stream stream);
+// Tests: forces log2 of the warps per tile of the single-token products (clamped per variant); -1 restores
+// the per-matrix choice.
+void set_matvec1_split(int lsplit);
+
 // ---- prefill-sized products through cuBLAS (gemm.cu) ----
 // For steps of many tokens quantized weights are expanded chunk by chunk into row-major f16 (F16/BF16
 // matrices are used as stored) and multiplied by cuBLAS with f32 accumulation; x is read from the `hi`
