@@ -111,13 +111,39 @@ __device__ void rank_sort_desc(unsigned long long* a, int len) {
   __syncthreads();
 }
 
+// Warp 0 of a radix-select pass: the bin (counted from 255 down) holding the want-th largest element
+// counted in hist, written to *s_bin, with the rank it leaves inside that bin (*s_want) and, when s_count is
+// not null, the bin's size. Lane L scans bins 255 - 8L .. 248 - 8L after a prefix sum of the lanes' totals.
+__device__ __forceinline__ void find_bin_from_top(const int* hist, int want, int* s_bin, int* s_want, int* s_count) {
+  const int lane = threadIdx.x & 31;
+  int c[8], sum = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) sum += c[j] = hist[255 - (lane * 8 + j)];
+  int incl = sum;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int up = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += up;
+  }
+  int acc = incl - sum;
+  if (acc < want && want <= incl) {
+    for (int j = 0; j < 8; ++j) {
+      if (acc + c[j] >= want) {
+        *s_bin = 255 - (lane * 8 + j);
+        *s_want = want - acc;
+        if (s_count) *s_count = c[j];
+        break;
+      }
+      acc += c[j];
+    }
+  }
+}
+
 // Radix select (8 bits a pass, from the top): the key T of the kCand-th best element, and how many of the
 // elements equal to T belong to the kCand best (the lowest ids). Lanes of a warp that hit the same bin add
 // once (match_any): the first pass's bins are few and crowded.
 __device__ void select_threshold(const float* row, int64_t n, uint32_t& threshold, int& n_equal) {
   __shared__ int hist[256];
-  __shared__ uint32_t s_prefix;
-  __shared__ int s_want;
+  __shared__ int s_bin, s_want;
   uint32_t prefix = 0, mask = 0;
   int want = kCand;
   for (int shift = 24; shift >= 0; shift -= 8) {
@@ -132,30 +158,9 @@ __device__ void select_threshold(const float* row, int64_t n, uint32_t& threshol
       if (in && (threadIdx.x & 31) == __ffs(same) - 1) atomicAdd(&hist[bin], __popc(same));
     }
     __syncthreads();
-    if (threadIdx.x < 32) {  // lane L: bins 255 - 8L .. 248 - 8L
-      const int lane = threadIdx.x;
-      int c[8], sum = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) sum += c[j] = hist[255 - (lane * 8 + j)];
-      int incl = sum;
-      for (int o = 1; o < 32; o <<= 1) {
-        const int up = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += up;
-      }
-      int acc = incl - sum;
-      if (acc < want && want <= incl) {
-        for (int j = 0; j < 8; ++j) {
-          if (acc + c[j] >= want) {
-            s_prefix = prefix | ((uint32_t)(255 - (lane * 8 + j)) << shift);
-            s_want = want - acc;
-            break;
-          }
-          acc += c[j];
-        }
-      }
-    }
+    if (threadIdx.x < 32) find_bin_from_top(hist, want, &s_bin, &s_want, nullptr);
     __syncthreads();
-    prefix = s_prefix;
+    prefix |= (uint32_t)s_bin << shift;
     want = s_want;
     mask |= 255u << shift;
   }

@@ -25,8 +25,7 @@ __device__ __forceinline__ int slice_depth(const RowSampling& rs, int64_t n) {
 template <int N>
 __device__ unsigned long long select_codes(const unsigned long long (&code)[4], int want) {
   __shared__ int hist[256];
-  __shared__ unsigned long long s_prefix;
-  __shared__ int s_want, s_whole;
+  __shared__ int s_bin, s_want, s_count;
   unsigned long long prefix = 0, mask = 0;
   for (int shift = 56; shift >= 0; shift -= 8) {
     for (int b = threadIdx.x; b < 256; b += N) hist[b] = 0;
@@ -39,34 +38,12 @@ __device__ unsigned long long select_codes(const unsigned long long (&code)[4], 
       if (in && (threadIdx.x & 31) == __ffs(same) - 1) atomicAdd(&hist[bin], __popc(same));
     }
     __syncthreads();
-    if (threadIdx.x < 32) {  // lane L: bins 255 - 8L .. 248 - 8L
-      const int lane = threadIdx.x;
-      int c[8], sum = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) sum += c[j] = hist[255 - (lane * 8 + j)];
-      int incl = sum;
-      for (int o = 1; o < 32; o <<= 1) {
-        const int up = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += up;
-      }
-      int acc = incl - sum;
-      if (acc < want && want <= incl) {
-        for (int j = 0; j < 8; ++j) {
-          if (acc + c[j] >= want) {
-            s_prefix = prefix | ((unsigned long long)(255 - (lane * 8 + j)) << shift);
-            s_want = want - acc;
-            s_whole = c[j] == want - acc;
-            break;
-          }
-          acc += c[j];
-        }
-      }
-    }
+    if (threadIdx.x < 32) find_bin_from_top(hist, want, &s_bin, &s_want, &s_count);
     __syncthreads();
-    prefix = s_prefix;
+    prefix |= (unsigned long long)s_bin << shift;
+    const bool whole = s_count == s_want;
     want = s_want;
     mask |= 255ull << shift;
-    const bool whole = s_whole;
     __syncthreads();  // the next pass rewrites the shared values
     if (whole) break;
   }
