@@ -96,24 +96,33 @@ __device__ __forceinline__ uint32_t scale_word(const Round<F>& r, int j) {
   }
 }
 
-// Loads round (tile, chunks c0 .. c0 + 3); nc is 0 for a tile past the end, so nothing is loaded.
-template <int F>
+// Loads round (tile, chunks c0 .. c0 + 3); nc is 0 for a tile past the end, so nothing is loaded. X (exact):
+// every round that starts is whole (n_chunks % kRound == 0, and for Q4_0 / MXFP4 an even n_steps), so the
+// chunks need no predicate and load from one address at immediate offsets.
+template <int F, bool X>
 __device__ __forceinline__ void load_round(const Mv1Args& p, int tile, int c0, int nc, int lane, Round<F>& r) {
   const int g = lane >> 2;
-  const uint4* qp = reinterpret_cast<const uint4*>(p.q) + (int64_t)tile * p.n_chunks * 32 + lane;
+  if constexpr (X) {
+    if (c0 >= nc) return;
+    const uint4* qp = reinterpret_cast<const uint4*>(p.q) + ((int64_t)tile * p.n_chunks + c0) * 32 + lane;
 #pragma unroll
-  for (int u = 0; u < kRound; ++u)
-    if (c0 + u < nc) r.w[u] = load_stream(qp + (int64_t)(c0 + u) * 32);
-  if (c0 >= nc) return;
+    for (int u = 0; u < kRound; ++u) r.w[u] = load_stream(qp + u * 32);
+  } else {
+    const uint4* qp = reinterpret_cast<const uint4*>(p.q) + (int64_t)tile * p.n_chunks * 32 + lane;
+#pragma unroll
+    for (int u = 0; u < kRound; ++u)
+      if (c0 + u < nc) r.w[u] = load_stream(qp + (int64_t)(c0 + u) * 32);
+    if (c0 >= nc) return;
+  }
   const int step0 = c0 * steps_per_chunk(F);
   // Scale indices past the end are clamped rather than predicated (those scales are never used): with
   // unpredicated loads ptxas fits Q4_0 in 80 registers without spills; Q8_0 is the opposite (it spills with
   // clamping, and at 128 registers does not with predication). Found with -Xptxas -v, not by reasoning.
   if constexpr (F == kQ8_0) {
-    const uint32_t* sp = reinterpret_cast<const uint32_t*>(p.s) + (int64_t)tile * p.n_steps * 8 + g;
+    const uint32_t* sp = reinterpret_cast<const uint32_t*>(p.s) + ((int64_t)tile * p.n_steps + step0) * 8 + g;
 #pragma unroll
     for (int j = 0; j < round_scales(F); ++j)
-      if (step0 + j < p.n_steps) r.s[j] = __ldg(sp + (int64_t)(step0 + j) * 8);
+      if (X || step0 + j < p.n_steps) r.s[j] = __ldg(sp + j * 8);
   } else if constexpr (F == kQ4_0) {  // rounds start at multiples of 8 steps: one scale group
     const uint4* sp = reinterpret_cast<const uint4*>(
         reinterpret_cast<const uint16_t*>(p.s) + grouped_scale_index(tile, p.n_steps, step0, g));
@@ -166,7 +175,7 @@ __device__ __forceinline__ int mxfp4_dot(uint32_t w, uint32_t xa, uint32_t xb, i
 __device__ __forceinline__ uint2 x_at(const uint2* xq, int step, int t) { return xq[step * 4 + t]; }
 
 // One round of a warp: adds rows g and g + 8's partial sums over this lane's columns to acc0 / acc1.
-template <int F>
+template <int F, bool X>
 __device__ __forceinline__ void compute_round(const Mv1Args& p, const Round<F>& r, int c0, int nc, const uint2* xq,
                                               const float* xs, int t, float& acc0, float& acc1) {
   if (c0 >= nc) return;
@@ -175,7 +184,7 @@ __device__ __forceinline__ void compute_round(const Mv1Args& p, const Round<F>& 
 #pragma unroll
     for (int u = 0; u < kRound; ++u) {
       const int step = c0 + u;
-      if (step >= nc) break;
+      if (!X && step >= nc) break;
       const uint2 x = x_at(xq, step, t);
       const int d0 = dp4a(r.w[u].x, x.x, dp4a(r.w[u].z, x.y, kIntBias));
       const int d1 = dp4a(r.w[u].y, x.x, dp4a(r.w[u].w, x.y, kIntBias));
@@ -187,11 +196,11 @@ __device__ __forceinline__ void compute_round(const Mv1Args& p, const Round<F>& 
   } else if constexpr (F == kQ4_0 || F == kMXFP4) {
 #pragma unroll
     for (int u = 0; u < kRound; ++u) {
-      if (c0 + u >= nc) break;
+      if (!X && c0 + u >= nc) break;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int step = (c0 + u) * 2 + j;
-        if (step >= p.n_steps) break;  // the last chunk of an odd n_steps has no second step
+        if (!X && step >= p.n_steps) break;  // the last chunk of an odd n_steps has no second step
         const uint32_t w0 = j == 0 ? r.w[u].x : r.w[u].z, w1 = j == 0 ? r.w[u].y : r.w[u].w;  // rows g, g + 8
         const uint32_t sw = scale_word<F>(r, 2 * u + j);
         if constexpr (F == kQ4_0) {
@@ -424,7 +433,7 @@ __device__ __forceinline__ void advance(const Mv1Args& p, Cursor& c) {
 // Both variants are compiled so that MERLIN_CUDA_MV1=2 or =3 can force one for timing.
 __host__ __device__ constexpr int min_blocks(int) { return 2; }
 
-template <int F, int MB, bool Glu>
+template <int F, int MB, bool Glu, bool X>
 __global__ void __launch_bounds__(kThreads, MB) mv1_kernel(Mv1Args p) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float red[2][kWarps][16];
@@ -451,7 +460,7 @@ __global__ void __launch_bounds__(kThreads, MB) mv1_kernel(Mv1Args p) {
   // the second one there too made ptxas spill in every variant.
   Round<F> ra{}, rb{};
   Cursor cur{(int)blockIdx.x, 0};
-  if (n_items > 0) load_round<F>(p, tile_of(cur), chunk_of(cur), nc_of(cur), lane, ra);
+  if (n_items > 0) load_round<F, X>(p, tile_of(cur), chunk_of(cur), nc_of(cur), lane, ra);
   const RopeTarget at = p.rope_on ? rope_target(p.rope) : RopeTarget{};
   pdl_trigger();
   pdl_wait();
@@ -464,8 +473,8 @@ __global__ void __launch_bounds__(kThreads, MB) mv1_kernel(Mv1Args p) {
   auto item = [&](int i, const Round<F>& now, Round<F>& next) {
     Cursor nx = cur;
     advance(p, nx);
-    if (i + 1 < n_items) load_round<F>(p, tile_of(nx), chunk_of(nx), nc_of(nx), lane, next);
-    compute_round<F>(p, now, chunk_of(cur), nc_of(cur), xq, xs, t, acc0, acc1);
+    if (i + 1 < n_items) load_round<F, X>(p, tile_of(nx), chunk_of(nx), nc_of(nx), lane, next);
+    compute_round<F, X>(p, now, chunk_of(cur), nc_of(cur), xq, xs, t, acc0, acc1);
     if (cur.r == p.rounds - 1) {
       if constexpr (Glu) finish_glu(p, cur.grp, warp, lane, acc0, acc1, red[parity]);
       else finish_group(p, cur.grp, warp, lane, acc0, acc1, red[parity], at);
@@ -486,25 +495,33 @@ size_t smem_bytes(int64_t k) { return F == kQ4_0 ? (size_t)k * 2 : (size_t)k + (
 
 int g_sm_count = 0;
 int g_split_override = -1;  // set_matvec1_split (tests): log2 of the warps per tile, -1 = chosen per matrix
-// CTAs per SM of mv1_kernel<F, MB, Glu> for rows up to (bucket + 1) * kKBucket, [F][MB - 2 + Glu][bucket]
-// (the Glu variant is built for MB = 2 only).
-int g_resident[8][3][kBuckets] = {};
+// The kernels built per format: the register budget MB (3 only for non-exact plain products, forced by
+// MERLIN_CUDA_MV1=3), the Glu epilogue and exact rounds X.
+enum Variant : int { kPlain2, kPlain3, kGlu, kPlainX, kGluX, kVariants };
+constexpr int variant_of(int mb, bool glu, bool x) {
+  return glu ? (x ? kGluX : kGlu) : mb == 3 ? kPlain3 : x ? kPlainX : kPlain2;
+}
 
-template <int F, int MB, bool Glu>
+// CTAs per SM of each variant for rows up to (bucket + 1) * kKBucket, [F][variant][bucket].
+int g_resident[8][kVariants][kBuckets] = {};
+
+template <int F, int MB, bool Glu, bool X>
 void prepare_mb() {
-  const auto kernel = mv1_kernel<F, MB, Glu>;
+  const auto kernel = mv1_kernel<F, MB, Glu, X>;
   MERLIN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes<F>(kMaxK)));
   for (int b = 0; b < kBuckets; ++b)
-    MERLIN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&g_resident[F][MB - 2 + (Glu ? 2 : 0)][b], kernel,
+    MERLIN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&g_resident[F][variant_of(MB, Glu, X)][b], kernel,
                                                                      kThreads, smem_bytes<F>((b + 1) * kKBucket)));
 }
 
 
 template <int F>
 void prepare() {
-  prepare_mb<F, 2, false>();
-  prepare_mb<F, 3, false>();
-  prepare_mb<F, 2, true>();
+  prepare_mb<F, 2, false, false>();
+  prepare_mb<F, 3, false, false>();
+  prepare_mb<F, 2, true, false>();
+  prepare_mb<F, 2, false, true>();
+  prepare_mb<F, 2, true, true>();
 }
 
 // MERLIN_CUDA_MV1 (read once): 0 = off (the general product runs), 2 / 3 = force that register budget
@@ -518,6 +535,23 @@ int mv1_mode() {
     return 1;
   }();
   return mode;
+}
+
+// Whether every round that starts is whole (the X kernels): whole rounds of chunks, and for the formats with
+// two k-steps per chunk an even number of steps.
+bool exact_rounds(int f, const Geometry& geo) {
+  // Q8_0 spills in the exact kernel (ptxas -v: 76 bytes at 128 registers) and streams at ~95 % already.
+  if (f == kQ8_0 || geo.n_chunks % kRound != 0) return false;
+  return (f != kQ4_0 && f != kMXFP4) || geo.n_steps == 2 * geo.n_chunks;
+}
+
+// MERLIN_CUDA_MV1_EXACT=0 (read once): always the predicated kernels (A/B timing; same results).
+bool exact_off() {
+  static const bool off = [] {
+    const char* e = std::getenv("MERLIN_CUDA_MV1_EXACT");
+    return e && std::strcmp(e, "0") == 0;
+  }();
+  return off;
 }
 
 // Warps per tile S = 2^lsplit: the one that minimizes the busiest CTA's work, (tile groups per CTA) x
@@ -565,14 +599,19 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
     p.glu_tiles = (int)(n_out / 16);
   }
   const int mb = glu_out || mv1_mode() < 2 ? min_blocks(F) : mv1_mode();
-  const int per_sm = std::max(1, g_resident[F][mb - 2 + (glu_out ? 2 : 0)][(w.k - 1) / kKBucket]);
+  const bool exact = mb == 2 && exact_rounds(F, geo) && !exact_off();
+  const int v = variant_of(mb, glu_out != nullptr, exact);
+  const int per_sm = std::max(1, g_resident[F][v][(w.k - 1) / kKBucket]);
   const int64_t ctas = (int64_t)g_sm_count * per_sm;
   choose_split(p, ctas, glu_out != nullptr);
   const unsigned grid = (unsigned)std::min<int64_t>(p.groups, ctas);
   const size_t smem = smem_bytes<F>(w.k);
-  if (glu_out) launch_pdl(mv1_kernel<F, 2, true>, dim3(grid), dim3(kThreads), smem, stream, p);
-  else if (mb == 2) launch_pdl(mv1_kernel<F, 2, false>, dim3(grid), dim3(kThreads), smem, stream, p);
-  else launch_pdl(mv1_kernel<F, 3, false>, dim3(grid), dim3(kThreads), smem, stream, p);
+  void (*kernel)(Mv1Args) = v == kGluX     ? mv1_kernel<F, 2, true, true>
+                            : v == kGlu    ? mv1_kernel<F, 2, true, false>
+                            : v == kPlainX ? mv1_kernel<F, 2, false, true>
+                            : v == kPlain3 ? mv1_kernel<F, 3, false, false>
+                                           : mv1_kernel<F, 2, false, false>;
+  launch_pdl(kernel, dim3(grid), dim3(kThreads), smem, stream, p);
   check_launch("matvec1");
 }
 
@@ -616,7 +655,7 @@ static int plain_split(const Matrix& w) {
   Mv1Args p{};
   p.tiles = (int)geo.tiles;
   p.n_chunks = (int)geo.n_chunks;
-  const int per_sm = std::max(1, g_resident[w.fmt][min_blocks(w.fmt) - 2][(w.k - 1) / kKBucket]);
+  const int per_sm = std::max(1, g_resident[w.fmt][kPlain2][(w.k - 1) / kKBucket]);
   choose_split(p, (int64_t)g_sm_count * per_sm, false);
   return p.lsplit;
 }
