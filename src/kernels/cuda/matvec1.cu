@@ -60,6 +60,7 @@ struct Mv1Args {
   float* y;
   int64_t n_out;
   int accumulate;
+  int resid_early;  // accumulate: the CTA's first group reads its residual rows right after pdl_wait
   int rope_on;      // 1: y is the stacked QKV product, finished by rope_store (matmul_rope_kv)
   RopeKvArgs rope;
   int glu_up_tile;  // Glu variant: first tile of the up rows
@@ -335,8 +336,11 @@ struct Cursor {
 // Adds the S warps' row sums of the tile group in a fixed order and writes (or adds) the outputs.
 // With rope_on, row r goes through rope_store with its pair partner r ^ 1 (same tile): lane ^ 4 holds it
 // when a warp owns the tile, thread ^ 1 after the shared-memory reduction.
+// With `early`, res0 / res1 hold the rows' previous values (prefetch_residual), read before the group's
+// work instead of after it: the same sums, one memory round trip less at the end of a decode step's kernel.
 __device__ __forceinline__ void finish_group(const Mv1Args& p, int grp, int warp, int lane, float acc0, float acc1,
-                                             float (*red)[16], const RopeTarget& at) {
+                                             float (*red)[16], const RopeTarget& at, bool early, float res0,
+                                             float res1) {
   // The 4 lanes of a row: xor shuffles give every lane the same sum (float addition is commutative).
   acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
   acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
@@ -353,8 +357,8 @@ __device__ __forceinline__ void finish_group(const Mv1Args& p, int grp, int warp
     }
     if ((lane & 3) == 0) {
       const int64_t r0 = ((int64_t)grp * tpg + warp) * 16 + (lane >> 2);
-      if (r0 < p.n_out) p.y[r0] = p.accumulate ? p.y[r0] + acc0 : acc0;
-      if (r0 + 8 < p.n_out) p.y[r0 + 8] = p.accumulate ? p.y[r0 + 8] + acc1 : acc1;
+      if (r0 < p.n_out) p.y[r0] = p.accumulate ? (early ? res0 : p.y[r0]) + acc0 : acc0;
+      if (r0 + 8 < p.n_out) p.y[r0 + 8] = p.accumulate ? (early ? res1 : p.y[r0 + 8]) + acc1 : acc1;
     }
     return;
   }
@@ -375,7 +379,7 @@ __device__ __forceinline__ void finish_group(const Mv1Args& p, int grp, int warp
       const float w = __shfl_xor_sync(0xffffffffu, v, 1);
       if (act && row < p.n_out) rope_store(p.rope, p.y, row, v, w, at);
     } else if (act && row < p.n_out) {
-      p.y[row] = p.accumulate ? p.y[row] + v : v;
+      p.y[row] = p.accumulate ? (early ? res0 : p.y[row]) + v : v;
     }
   }
   // No second barrier: the next group uses the other half of the (double) red buffer, and a warp can only
@@ -417,6 +421,22 @@ __device__ __forceinline__ void finish_glu(const Mv1Args& p, int grp, int warp, 
     case ActKind::F16: emit<(int)ActKind::F16>(v, valid, 0, o, out); break;
     case ActKind::BF16: emit<(int)ActKind::BF16>(v, valid, 0, o, out); break;
     default: emit<(int)ActKind::F32>(v, valid, 0, o, out); break;
+  }
+}
+
+// The previous values of the rows finish_group writes for tile group grp, in the threads that write them.
+__device__ __forceinline__ void prefetch_residual(const Mv1Args& p, int grp, int warp, int lane, float& res0,
+                                                  float& res1) {
+  const int S = 1 << p.lsplit, tpg = kWarps >> p.lsplit;
+  if (S == 1) {
+    if ((lane & 3) == 0) {
+      const int64_t r0 = ((int64_t)grp * tpg + warp) * 16 + (lane >> 2);
+      if (r0 < p.n_out) res0 = p.y[r0];
+      if (r0 + 8 < p.n_out) res1 = p.y[r0 + 8];
+    }
+  } else if ((int)threadIdx.x < tpg * 16) {
+    const int64_t row = ((int64_t)grp * tpg + (threadIdx.x >> 4)) * 16 + (threadIdx.x & 15);
+    if (row < p.n_out) res0 = p.y[row];
   }
 }
 
@@ -464,6 +484,9 @@ __global__ void __launch_bounds__(kThreads, MB) mv1_kernel(Mv1Args p) {
   const RopeTarget at = p.rope_on ? rope_target(p.rope) : RopeTarget{};
   pdl_trigger();
   pdl_wait();
+  bool early = !Glu && p.accumulate && p.resid_early && n_items > 0;
+  float res0 = 0.f, res1 = 0.f;
+  if (early) prefetch_residual(p, (int)blockIdx.x, warp, lane, res0, res1);
   stage_x<F>(p, smem);
   const uint2* xq = reinterpret_cast<const uint2*>(smem);
   const float* xs = reinterpret_cast<const float*>(smem + p.k);
@@ -477,7 +500,8 @@ __global__ void __launch_bounds__(kThreads, MB) mv1_kernel(Mv1Args p) {
     compute_round<F, X>(p, now, chunk_of(cur), nc_of(cur), xq, xs, t, acc0, acc1);
     if (cur.r == p.rounds - 1) {
       if constexpr (Glu) finish_glu(p, cur.grp, warp, lane, acc0, acc1, red[parity]);
-      else finish_group(p, cur.grp, warp, lane, acc0, acc1, red[parity], at);
+      else finish_group(p, cur.grp, warp, lane, acc0, acc1, red[parity], at, early, res0, res1);
+      early = false;
       parity ^= 1;
       acc0 = acc1 = 0.f;
     }
@@ -540,9 +564,19 @@ int mv1_mode() {
 // Whether every round that starts is whole (the X kernels): whole rounds of chunks, and for the formats with
 // two k-steps per chunk an even number of steps.
 bool exact_rounds(int f, const Geometry& geo) {
-  // Q8_0 spills in the exact kernel (ptxas -v: 76 bytes at 128 registers) and streams at ~95 % already.
-  if (f == kQ8_0 || geo.n_chunks % kRound != 0) return false;
+  // Q8_0 and TQ2_0 spill in the exact kernel (ptxas -v at 128 registers); Q8_0 streams at ~95 % already and
+  // TQ2_0 gained nothing from it (H200, ninth session).
+  if (f == kQ8_0 || f == kTQ2 || geo.n_chunks % kRound != 0) return false;
   return (f != kQ4_0 && f != kMXFP4) || geo.n_steps == 2 * geo.n_chunks;
+}
+
+// MERLIN_CUDA_MV1_RESID=0 (read once): accumulating products read the residual after their work (A/B timing).
+bool resid_early() {
+  static const bool on = [] {
+    const char* e = std::getenv("MERLIN_CUDA_MV1_RESID");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  return on;
 }
 
 // MERLIN_CUDA_MV1_EXACT=0 (read once): always the predicated kernels (A/B timing; same results).
@@ -591,6 +625,7 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
   p.y = d_y;
   p.n_out = n_out;
   p.accumulate = accumulate ? 1 : 0;
+  p.resid_early = resid_early() ? 1 : 0;
   p.rope_on = rope ? 1 : 0;
   if (rope) p.rope = *rope;
   if (glu_out) {
