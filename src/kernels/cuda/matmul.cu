@@ -94,7 +94,9 @@ struct Round {
 
 // Rounds start at chunk (warp + kWarps * r) * kRound, so a Q4_K round (8 k-steps) is exactly one
 // super-block and a TQ2_0 round (16 k-steps) exactly two: scale indices inside a round are constants.
-template <int F>
+// X (exact): every round that starts is whole (exact_rounds), so the chunks and scales need no predicates and
+// the chunks load from one address at immediate offsets.
+template <int F, bool X>
 __device__ __forceinline__ void load_round(const MmArgs& p, int64_t tile, int64_t c0, int lane, Round<F>& r) {
   const int g = lane >> 2;
   if constexpr (half_fmt(F)) {  // row-major (matrix_layout.cuh): chunk c is row g + 8 (c & 1), column 32 (c >> 1) + 8t
@@ -108,22 +110,28 @@ __device__ __forceinline__ void load_round(const MmArgs& p, int64_t tile, int64_
     }
     return;
   }
-  const uint4* qp = reinterpret_cast<const uint4*>(p.q) + tile * p.n_chunks * 32 + lane;
+  if constexpr (X) {
+    const uint4* qp = reinterpret_cast<const uint4*>(p.q) + (tile * p.n_chunks + c0) * 32 + lane;
 #pragma unroll
-  for (int u = 0; u < kRound; ++u)
-    if (c0 + u < p.n_chunks) r.w[u] = load_stream(qp + (c0 + u) * 32);
+    for (int u = 0; u < kRound; ++u) r.w[u] = load_stream(qp + u * 32);
+  } else {
+    const uint4* qp = reinterpret_cast<const uint4*>(p.q) + tile * p.n_chunks * 32 + lane;
+#pragma unroll
+    for (int u = 0; u < kRound; ++u)
+      if (c0 + u < p.n_chunks) r.w[u] = load_stream(qp + (c0 + u) * 32);
+  }
   const int64_t step0 = c0 * steps_per_chunk(F);
   if constexpr (F == kQ8_0) {
     const uint32_t* sp = reinterpret_cast<const uint32_t*>(p.s) + tile * p.n_steps * 8 + g;
 #pragma unroll
     for (int j = 0; j < round_scales(F); ++j)
-      if (step0 + j < p.n_steps) r.s[j] = __ldg(sp + (step0 + j) * 8);
+      if (X || step0 + j < p.n_steps) r.s[j] = __ldg(sp + (step0 + j) * 8);
   } else if constexpr (F == kQ4_0 || F == kMXFP4) {
     // A round is 8 k-steps from a multiple of 8: one scale group (matrix_layout.cuh), 32 / 16 bytes per lane.
     // A warp whose round lies past the end of k loads none (its group does not exist).
     const uint8_t* sb = p.s + grouped_scale_index(tile, p.n_steps, step0, g) * (F == kQ4_0 ? 2 : 1);
 #pragma unroll
-    for (int j = 0; j < round_scales(F) / 4 && step0 < p.n_steps; ++j) {
+    for (int j = 0; j < round_scales(F) / 4 && (X || step0 < p.n_steps); ++j) {
       const uint4 v = __ldg(reinterpret_cast<const uint4*>(sb) + j);
       r.s[4 * j] = v.x, r.s[4 * j + 1] = v.y, r.s[4 * j + 2] = v.z, r.s[4 * j + 3] = v.w;
     }
@@ -131,9 +139,9 @@ __device__ __forceinline__ void load_round(const MmArgs& p, int64_t tile, int64_
     const uint32_t* sp = reinterpret_cast<const uint32_t*>(p.s) + tile * p.n_super * 8 + g;
 #pragma unroll
     for (int j = 0; j < round_scales(F); ++j)
-      if (step0 / 8 + j < p.n_super) r.s[j] = __ldg(sp + (step0 / 8 + j) * 8);
+      if (X || step0 / 8 + j < p.n_super) r.s[j] = __ldg(sp + (step0 / 8 + j) * 8);
   } else if constexpr (F == kQ4_K) {
-    if (step0 / 8 < p.n_super) {
+    if (X || step0 / 8 < p.n_super) {
       const uint4* hdr = reinterpret_cast<const uint4*>(p.s) + (tile * p.n_super + step0 / 8) * 16;
       r.h[0] = __ldg(hdr + g);
       r.h[1] = __ldg(hdr + g + 8);
@@ -215,12 +223,12 @@ __device__ __forceinline__ void half_step(const MmArgs& p, const XView& x, const
   }
 }
 
-template <int F, int NT>
+template <int F, int NT, bool X>
 __device__ __forceinline__ void compute_round(const MmArgs& p, const XView& x, const Round<F>& r, int64_t c0, int tb,
                                               int g, int t, float (&acc)[NT][4]) {
 #pragma unroll
   for (int u = 0; u < kRound; ++u) {
-    if (c0 + u >= p.n_chunks) break;
+    if (!X && c0 + u >= p.n_chunks) break;
     if constexpr (half_fmt(F)) {
       // Chunks come in (row g, row g + 8) pairs: kRound and every round's first chunk are even, and so is
       // n_chunks (rows padded to 32 columns).
@@ -233,7 +241,7 @@ __device__ __forceinline__ void compute_round(const MmArgs& p, const XView& x, c
 #pragma unroll
       for (int j = 0; j < steps_per_chunk(F); ++j) {
         const int64_t step = (c0 + u) * steps_per_chunk(F) + j;
-        if (step >= p.n_steps) break;
+        if (!X && step >= p.n_steps) break;
         uint32_t a[4];
         int8_operand<F>(r.w[u], j, a);
         float2 ws, wm = make_float2(0.f, 0.f);
@@ -402,13 +410,16 @@ struct Cursor {
 
 // Item i at cursor c: requests item i + 1 into `next`, computes `cur`, reduces the tiles after their last
 // round, and moves c on.
-template <int F, int NT>
+// With X a round past the end of k (a warp whose share of a short row ends early) is skipped whole.
+template <int F, int NT, bool X>
 __device__ __forceinline__ void run_item(const MmArgs& p, const XView& x, const Items& it, int i, Cursor& c,
                                          const Round<F>& cur, Round<F>& next, int tb, int warp, int lane,
                                          float (&acc)[NT][4], float (*red)[NT * 4][32]) {
   const Cursor nx = c.next(it);
-  if (i + 1 < it.n && nx.tile(it) < p.tiles) load_round<F>(p, nx.tile(it), nx.chunk(it), lane, next);
-  if (c.tile(it) < p.tiles) compute_round<F, NT>(p, x, cur, c.chunk(it), tb, lane >> 2, lane & 3, acc);
+  if (i + 1 < it.n && nx.tile(it) < p.tiles && (!X || nx.chunk(it) < p.n_chunks))
+    load_round<F, X>(p, nx.tile(it), nx.chunk(it), lane, next);
+  if (c.tile(it) < p.tiles && (!X || c.chunk(it) < p.n_chunks))
+    compute_round<F, NT, X>(p, x, cur, c.chunk(it), tb, lane >> 2, lane & 3, acc);
   if (c.r == it.rounds - 1) {
     reduce_tiles<NT>(p, (int64_t)c.set * it.groups, tb, warp, lane, acc, red);
 #pragma unroll
@@ -428,7 +439,7 @@ __device__ __forceinline__ void run_item(const MmArgs& p, const XView& x, const 
 // needs 136-182 registers uncapped and is built both ways: capped by default (batch-32 decode on the H200:
 // base f16 24.4k -> 37.0k t/s, q4_0 37.0k -> 42.0k, macbook q4_0 2.89k -> 3.29k; docs/GPU.md), uncapped
 // with MERLIN_CUDA_NT4_CAP=0 for A/B timing.
-template <int F, int NT, int MinBlocks = NT == 4 ? 1 : 2>
+template <int F, int NT, int MinBlocks = NT == 4 ? 1 : 2, bool X = false>
 __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float red[kWarps][NT * 4][32];
@@ -437,7 +448,8 @@ __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
   const Items it(p, warp);
   Round<F> ra{}, rb{};
   Cursor c{(int)blockIdx.x, 0};
-  if (it.n > 0 && c.tile(it) < p.tiles) load_round<F>(p, c.tile(it), c.chunk(it), lane, ra);
+  if (it.n > 0 && c.tile(it) < p.tiles && (!X || c.chunk(it) < p.n_chunks))
+    load_round<F, X>(p, c.tile(it), c.chunk(it), lane, ra);
   pdl_trigger();
   pdl_wait();
   XView x{p.xfq, p.xfs, p.xfsum, p.xfhi, p.xflo, 0};
@@ -447,8 +459,8 @@ __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
   for (int i = 0; i < it.n; i += 2) {
-    run_item<F, NT>(p, x, it, i, c, ra, rb, tb, warp, lane, acc, red);
-    if (i + 1 < it.n) run_item<F, NT>(p, x, it, i + 1, c, rb, ra, tb, warp, lane, acc, red);
+    run_item<F, NT, X>(p, x, it, i, c, ra, rb, tb, warp, lane, acc, red);
+    if (i + 1 < it.n) run_item<F, NT, X>(p, x, it, i + 1, c, rb, ra, tb, warp, lane, acc, red);
   }
 }
 
@@ -477,8 +489,8 @@ __global__ void mm_f32_kernel(MmArgs p) {
 constexpr size_t kStageMax[3] = {64 << 10, 64 << 10, 160 << 10};
 int g_sm_count = 0;
 // Resident CTAs per SM of mm_kernel<F, NT> without / with staged activations (sizes the persistent grid);
-// index 3 is the register-capped 32-token variant.
-int g_resident[8][4][2] = {};
+// index 3 is the register-capped 32-token variant; the last index is the exact-rounds (X) kernel.
+int g_resident[8][4][2][2] = {};  // [F][nt index, 3 = capped 32-token][staged][exact]
 
 bool nt4_capped() {
   static const bool on = [] {
@@ -508,6 +520,19 @@ int warps_per_tile(int64_t n_chunks, int64_t tiles, int64_t resident) {
   return kWarps / groups;
 }
 
+// Whether every round that starts is whole (the X kernels of the int8 formats): whole rounds of chunks and
+// whole chunks of k-steps. MERLIN_CUDA_MM_EXACT=0 keeps the checked kernels (A/B timing; same results).
+// The 32-token X kernels of the other int8 formats spill at their register cap (ptxas -v; Q4_K's spills
+// less than its checked kernel), so 32-token steps keep the checked kernel there.
+bool exact_rounds(int f, int nt, const MmArgs& p) {
+  static const bool on = [] {
+    const char* v = std::getenv("MERLIN_CUDA_MM_EXACT");
+    return !(v && std::string(v) == "0");
+  }();
+  return on && !half_fmt(f) && (nt < 4 || f == kQ4_K) && p.n_chunks % kRound == 0 &&
+         p.n_steps == p.n_chunks * steps_per_chunk(f);
+}
+
 template <int F, int NT>
 void launch_nt(MmArgs p, Stream stream, int64_t tiles) {
   constexpr int ni = nt_index(NT);
@@ -516,14 +541,21 @@ void launch_nt(MmArgs p, Stream stream, int64_t tiles) {
   const size_t staged = staged_bytes(F, p.k, std::min(8 * NT, p.n));
   p.stage_x = staged <= stage_max ? 1 : 0;
   MERLIN_CHECK(p.stage_x || !p.fuse_prep, "matmul: a fused preparation needs the activations in shared memory");
-  const int64_t resident = (int64_t)g_sm_count * std::max(1, g_resident[F][capped ? 3 : ni][p.stage_x]);
+  const bool x = exact_rounds(F, NT, p);
+  const int64_t resident = (int64_t)g_sm_count * std::max(1, g_resident[F][capped ? 3 : ni][p.stage_x][x]);
   p.split = warps_per_tile(p.n_chunks, tiles, resident);
   const int64_t sets = (tiles + kWarps / p.split - 1) / (kWarps / p.split);
   const dim3 grid((unsigned)std::min(sets, resident), (unsigned)((p.n + 8 * NT - 1) / (8 * NT)));
-  if (capped)
-    launch_pdl(mm_kernel<F, NT, 2>, grid, kWarps * 32, p.stage_x ? staged : 0, stream, p);
-  else
-    launch_pdl(mm_kernel<F, NT>, grid, kWarps * 32, p.stage_x ? staged : 0, stream, p);
+  constexpr bool kX = !half_fmt(F) && (NT < 4 || F == kQ4_K);  // X kernels built (exact_rounds)
+  void (*kernel)(MmArgs) = mm_kernel<F, NT>;
+  if constexpr (kX)
+    if (x) kernel = mm_kernel<F, NT, NT == 4 ? 1 : 2, true>;
+  if constexpr (NT == 4) {
+    if (capped) kernel = mm_kernel<F, 4, 2>;
+    if constexpr (kX)
+      if (capped && x) kernel = mm_kernel<F, 4, 2, true>;
+  }
+  launch_pdl(kernel, grid, kWarps * 32, p.stage_x ? staged : 0, stream, p);
 }
 
 // Matrices with fewer 16-row tiles than SMs (base's 768-row Wo and down projection: 48 tiles) give a
@@ -547,14 +579,22 @@ void launch_fmt(const MmArgs& p, Stream stream, int64_t tiles) {
   else launch_nt<F, 4>(p, stream, tiles);
 }
 
+// Shared-memory limit and resident CTAs per SM of one kernel variant (index: nt index, or 3 = capped).
+template <int F, int NT, int MinBlocks, bool X>
+void prepare_variant(int index, size_t stage_max) {
+  const auto kernel = mm_kernel<F, NT, MinBlocks, X>;
+  MERLIN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)stage_max));
+  for (int staged = 0; staged < 2; ++staged)
+    MERLIN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&g_resident[F][index][staged][X], kernel,
+                                                                     kWarps * 32, staged ? stage_max : 0));
+}
+
 template <int F, int NT>
 void prepare_kernel() {
   constexpr int ni = nt_index(NT);
-  MERLIN_CUDA_CHECK(
-      cudaFuncSetAttribute(mm_kernel<F, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kStageMax[ni]));
-  for (int staged = 0; staged < 2; ++staged)
-    MERLIN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&g_resident[F][ni][staged], mm_kernel<F, NT>,
-                                                                     kWarps * 32, staged ? kStageMax[ni] : 0));
+  prepare_variant<F, NT, NT == 4 ? 1 : 2, false>(ni, kStageMax[ni]);
+  if constexpr (!half_fmt(F) && (NT < 4 || F == kQ4_K))
+    prepare_variant<F, NT, NT == 4 ? 1 : 2, true>(ni, kStageMax[ni]);
 }
 
 template <int F>
@@ -563,11 +603,8 @@ void allow_staging() {
   prepare_kernel<F, 2>();
   prepare_kernel<F, 4>();
   // The capped 32-token variant: two CTAs per SM, so 64 KiB of staged activations each at most.
-  MERLIN_CUDA_CHECK(
-      cudaFuncSetAttribute(mm_kernel<F, 4, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kStageMax[0]));
-  for (int staged = 0; staged < 2; ++staged)
-    MERLIN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&g_resident[F][3][staged], mm_kernel<F, 4, 2>,
-                                                                     kWarps * 32, staged ? kStageMax[0] : 0));
+  prepare_variant<F, 4, 2, false>(3, kStageMax[0]);
+  if constexpr (F == kQ4_K) prepare_variant<F, 4, 2, true>(3, kStageMax[0]);
 }
 
 }  // namespace
