@@ -333,13 +333,16 @@ TEST(CudaKernels, SingleTokenProductMatchesScalarCpu) {
 
 // One token through a stacked [gate; up] matrix with the SwiGLU in the product's epilogue (matvec1_swiglu)
 // gives exactly the bits of the product followed by prep_act(SwiGlu), in every output format, for both
-// group sizes (16 or 8 warps' worth of tiles: S = 1, 2), with a partial last group (ffn = 96: 6 output
-// tiles) and rows long enough for several rounds per warp.
+// group sizes of the quantized kernel (16 or 8 warps' worth of tiles: S = 1, 2), with a partial last group
+// (ffn = 96: 6 output tiles) and rows long enough for several rounds per warp; F16/BF16 matrices (a warp
+// per gate/up row pair) also with a padded ffn (40 rows of 48).
 TEST(CudaKernels, SwiGluEpilogueMatchesSeparateKernel) {
   REQUIRE_GPU();
   struct Shape { int64_t ffn, k; };
-  for (DType t : {DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::Q4_K, DType::TQ2_0})
-  for (const Shape s : {Shape{96, 768}, Shape{2048, 768}, Shape{1056, 4096}}) {
+  for (DType t : {DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::Q4_K, DType::TQ2_0, DType::F16, DType::BF16})
+  for (const Shape s : {Shape{96, 768}, Shape{2048, 768}, Shape{1056, 4096}, Shape{40, 256}}) {
+    const bool half = t == DType::F16 || t == DType::BF16;
+    if (!half && s.ffn % 32 != 0) continue;
     const int64_t up = cu::padded_rows(s.ffn);
     const std::vector<uint8_t> g = random_matrix(t, s.ffn, s.k, 31), u = random_matrix(t, s.ffn, s.k, 32);
     const size_t rb = dtype_row_bytes(t, (uint64_t)s.k);
@@ -353,6 +356,7 @@ TEST(CudaKernels, SwiGluEpilogueMatchesSeparateKernel) {
     cu::prep_act(p, 1, a, nullptr);
     for (cu::ActKind kind : {cu::ActKind::Q8_0, cu::ActKind::F16, cu::ActKind::BF16, cu::ActKind::F32})
     for (int ls : {0, 1}) {
+      if (half && (kind == cu::ActKind::Q8_0 || ls == 1)) continue;  // halves emit element by element
       SCOPED_TRACE(std::string(dtype_name(t)) + " ffn " + std::to_string(s.ffn) + " k " + std::to_string(s.k) +
                    " kind " + std::to_string((int)kind) + " lsplit " + std::to_string(ls));
       cu::set_matvec1_split(ls);
@@ -389,6 +393,9 @@ TEST(CudaKernels, SwiGluEpilogueMatchesSeparateKernel) {
       cu::act_free(got);
     }
     EXPECT_FALSE(cu::swiglu_fuses(m, s.ffn, up, cu::ActKind::Q8_K));
+    if (half) {
+      EXPECT_FALSE(cu::swiglu_fuses(m, s.ffn, up, cu::ActKind::Q8_0));
+    }
     cu::act_free(a);
     cu::free_matrix(m);
   }

@@ -666,7 +666,7 @@ bool dispatch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out_rows, 
     case kQ4_K: launch<kQ4_K>(w, x, d_y, n_out, accumulate, stream, rope, glu_out, glu_up_row); return true;
     case kTQ2: launch<kTQ2>(w, x, d_y, n_out, accumulate, stream, rope, glu_out, glu_up_row); return true;
     case kF16:
-    case kBF16: return matvec1_half(w, x, d_y, n_out, accumulate, stream, rope);
+    case kBF16: return matvec1_half(w, x, d_y, n_out, accumulate, stream, rope, glu_out, glu_up_row);
     default: return false;
   }
 }
@@ -695,10 +695,14 @@ static int plain_split(const Matrix& w) {
   return p.lsplit;
 }
 
+// F16/BF16 rows (matvec1_half.cu) emit element by element: outputs in F16, BF16 or F32 only.
 bool swiglu_fuses(const Matrix& w, int64_t ffn, int64_t up_row, ActKind out) {
+  const bool shape = mv1_mode() != 0 && g_sm_count > 0 && w.k > 0 && ffn > 0 && up_row % 16 == 0 &&
+                     up_row >= ffn && up_row + ffn <= w.rows;
+  if (w.fmt == kF16 || w.fmt == kBF16)
+    return shape && matvec1_half_fits(w) && (out == ActKind::F16 || out == ActKind::BF16 || out == ActKind::F32);
   const bool fmt = w.fmt == kQ8_0 || w.fmt == kQ4_0 || w.fmt == kMXFP4 || w.fmt == kQ4_K || w.fmt == kTQ2;
-  return fmt && out != ActKind::Q8_K && mv1_mode() != 0 && g_sm_count > 0 && w.k > 0 && w.k <= kMaxK &&
-         ffn > 0 && ffn % 32 == 0 && up_row % 16 == 0 && up_row >= ffn && up_row + ffn <= w.rows &&
+  return shape && fmt && out != ActKind::Q8_K && w.k <= kMaxK && ffn % 32 == 0 &&
          (g_split_override >= 0 || plain_split(w) <= 1);
 }
 

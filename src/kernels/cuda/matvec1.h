@@ -15,9 +15,11 @@ bool matvec1(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out_rows, b
 // matmul_rope_kv (ops.h) for one token; false where the single-token kernels do not apply.
 bool matvec1_rope_kv(const Matrix& w, const ActBuf& x, float* d_qkv, const RopeKvArgs& r, Stream stream);
 
-// F16/BF16 rows (matvec1_half.cu); false when the row is too long for its staged activations.
+// F16/BF16 rows (matvec1_half.cu); false when the row is too long for its staged activations. With glu_out
+// (matvec1_swiglu: F16, BF16 or F32 outputs) w is a stacked [gate; up] matrix, n_out the gate rows.
 bool matvec1_half(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool accumulate, Stream stream,
-                  const RopeKvArgs* rope = nullptr);
+                  const RopeKvArgs* rope = nullptr, const ActBuf* glu_out = nullptr, int64_t glu_up_row = 0);
+bool matvec1_half_fits(const Matrix& w);  // the row fits the staged activations
 void init_matvec1_half_kernels();
 
 // Called once by init_matmul_kernels (never inside a graph capture): kernel attributes and occupancy.

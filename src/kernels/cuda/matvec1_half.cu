@@ -7,8 +7,14 @@
 // computes (as in matmul.cu). Weights are widened to f32 and multiplied with the token's activation, staged
 // once per CTA in shared memory as hi + lo (the same value the tensor-core product sees), in f32 FMAs; the
 // row's 32 lane sums meet in a fixed shuffle order, so results are deterministic.
+//
+// With glu_on (matvec1_swiglu) a warp's pair is gate row j and up row j of a stacked [gate; up] matrix, and
+// its lane 0 writes silu(gate) * up as element j of the down product's input (F16, BF16 or F32: formats
+// emitted element by element) with act_impl.cuh's swiglu() and emit(): the bits of the product followed by
+// prep_act(SwiGlu), one kernel less per layer.
 #include <algorithm>
 
+#include "kernels/cuda/act_impl.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/fragment.cuh"
 #include "kernels/cuda/matrix_layout.cuh"
@@ -36,7 +42,15 @@ struct HalfArgs {
   int accumulate;
   int rope_on;  // rows 2j and 2j + 1 (one warp's pair) go through rope_store (matmul_rope_kv)
   RopeKvArgs rope;
+  int glu_on;          // pair j = rows j and glu_up_row + j; the output goes to glu_out
+  int64_t glu_up_row;
+  ActBuf glu_out;
 };
+
+// The two rows of pair `grp`: consecutive, or gate row grp and its up row.
+__device__ __forceinline__ int64_t pair_row(const HalfArgs& p, int64_t grp, int i) {
+  return p.glu_on ? grp + i * p.glu_up_row : grp * kRows + i;
+}
 
 struct HalfRound {
   uint4 w[kRows][kLoads];
@@ -44,12 +58,24 @@ struct HalfRound {
 
 __device__ __forceinline__ void load_item(const HalfArgs& p, int64_t grp, int it, int lane, HalfRound& r) {
   const int64_t col0 = it * kItemCols + 8 * lane;
-  const uint16_t* base = p.w + grp * kRows * p.ld + col0;
 #pragma unroll
-  for (int i = 0; i < kRows; ++i)
+  for (int i = 0; i < kRows; ++i) {
+    const uint16_t* base = p.w + pair_row(p, grp, i) * p.ld + col0;
 #pragma unroll
     for (int u = 0; u < kLoads; ++u)
-      if (col0 + 256 * u < p.ld) r.w[i][u] = load_stream(reinterpret_cast<const uint4*>(base + i * p.ld + 256 * u));
+      if (col0 + 256 * u < p.ld) r.w[i][u] = load_stream(reinterpret_cast<const uint4*>(base + 256 * u));
+  }
+}
+
+// Element j of the down product's input: silu(gate) * up in glu_out's format (lane 0 of the pair's warp).
+__device__ __forceinline__ void emit_glu(const HalfArgs& p, int64_t j, float g, float u) {
+  ActBuf o = p.glu_out;
+  const float v = swiglu(g, u);
+  switch (o.kind) {
+    case ActKind::F16: emit<(int)ActKind::F16>(v, true, 0, j, o); break;
+    case ActKind::BF16: emit<(int)ActKind::BF16>(v, true, 0, j, o); break;
+    default: emit<(int)ActKind::F32>(v, true, 0, j, o); break;
+  }
 }
 
 template <bool BF>
@@ -141,6 +167,10 @@ __global__ void __launch_bounds__(kThreads, 2) mv1_half_kernel(HalfArgs p) {
         acc[r] = 0.f;
       }
       static_assert(kRows == 2, "a warp's rows are one RoPE pair");
+      if (p.glu_on) {
+        if (lane == 0 && group_of(i) < p.n_out) emit_glu(p, group_of(i), v[0], v[1]);
+        return;
+      }
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const int64_t row = group_of(i) * kRows + r;
@@ -162,14 +192,19 @@ int g_resident[2] = {};  // CTAs per SM at the largest staging (F16, BF16)
 }  // namespace
 
 bool matvec1_half(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool accumulate, Stream stream,
-                  const RopeKvArgs* rope) {
+                  const RopeKvArgs* rope, const ActBuf* glu_out, int64_t glu_up_row) {
   const int64_t ld = half_ld(w.k);
   if (!half_fmt(w.fmt) || ld > kMaxK || g_sm_count == 0) return false;
   HalfArgs p{};
   p.w = reinterpret_cast<const uint16_t*>(w.q);
   p.ld = ld;
   p.k = w.k;
-  p.groups = w.rows / kRows;
+  p.groups = glu_out ? n_out : w.rows / kRows;
+  if (glu_out) {
+    p.glu_on = 1;
+    p.glu_up_row = glu_up_row;
+    p.glu_out = *glu_out;
+  }
   p.items = (int)((ld + kItemCols - 1) / kItemCols);
   p.xhi = x.hi;
   p.xlo = x.lo;
@@ -187,6 +222,8 @@ bool matvec1_half(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, b
   check_launch("matvec1 half");
   return true;
 }
+
+bool matvec1_half_fits(const Matrix& w) { return half_fmt(w.fmt) && half_ld(w.k) <= kMaxK; }
 
 void init_matvec1_half_kernels() {
   int dev = 0;

@@ -115,8 +115,9 @@ void matmul_prep(const Matrix& w, const PrepArgs& prep, ActBuf& x, int n, float*
 
 // One token through a stacked [gate; up] matrix (up's rows from up_row), written as silu(gate) * up in
 // out's format (the down product's input, row 0): the bits of matmul() then prep_act(SwiGlu), in one
-// kernel. swiglu_fuses says whether it applies (the single-token formats other than F16/BF16, outputs
-// other than Q8_K, ffn % 32 == 0); matvec1_swiglu returns false (nothing queued) where it does not.
+// kernel. swiglu_fuses says whether it applies (quantized matrices: outputs other than Q8_K, ffn % 32 == 0,
+// long rows; F16/BF16 matrices: F16, BF16 or F32 outputs); matvec1_swiglu returns false (nothing queued)
+// where it does not.
 bool swiglu_fuses(const Matrix& w, int64_t ffn, int64_t up_row, ActKind out);
 bool matvec1_swiglu(const Matrix& w, const ActBuf& x, int64_t ffn, int64_t up_row, ActBuf& out, Stream stream);
 // Tests: forces log2 of the warps per tile of the single-token products (clamped per variant); -1 restores
