@@ -141,6 +141,12 @@ void register_all() {
               level, 512, 768, 768, threads, packed);
           b->Unit(benchmark::kMillisecond);
           if (threads > 1) b->UseRealTime();  // worker threads' CPU time is not the main thread's
+          // A 32-sequence decode step's gate/up product (the server's many-client case).
+          auto* d = benchmark::RegisterBenchmark(
+              ("gemm/" + tn + "/" + lv + "/32x4096x768/threads:" + std::to_string(threads)).c_str(), bm_gemm, type,
+              level, 32, 4096, 768, threads, packed);
+          d->Unit(benchmark::kMicrosecond);
+          if (threads > 1) d->UseRealTime();
         }
       }
     const std::string lv = kernel_level_name(level);
