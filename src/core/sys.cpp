@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 
@@ -43,5 +44,10 @@ std::string format_bytes(uint64_t bytes) {
 }
 
 bool stderr_is_terminal() { return ::isatty(2) != 0; }
+
+bool env_is(const char* name, const char* value) {
+  const char* e = std::getenv(name);
+  return e != nullptr && std::strcmp(e, value) == 0;
+}
 
 }  // namespace merlin

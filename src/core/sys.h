@@ -10,5 +10,7 @@ uint64_t peak_rss_bytes();       // VmHWM of this process
 uint64_t current_rss_bytes();    // VmRSS of this process
 std::string format_bytes(uint64_t bytes);  // "123.4 MiB"
 bool stderr_is_terminal();
+// Whether environment variable `name` is set to exactly `value` (the A/B switches of the kernels: "0" = off).
+bool env_is(const char* name, const char* value);
 
 }  // namespace merlin

@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "core/sys.h"
 #include "kernels/cuda/act_impl.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/rope_kv.cuh"
@@ -614,8 +615,7 @@ void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32
     return n_sm;
   }();
   static const bool hoist_on = [] {  // MERLIN_CUDA_ATTN_HOIST=0: never (for A/B timing)
-    const char* e = std::getenv("MERLIN_CUDA_ATTN_HOIST");
-    return !(e && std::string(e) == "0");
+    return !env_is("MERLIN_CUDA_ATTN_HOIST", "0");
   }();
   const int kind = kv.q8 ? kKvQ8 : kv.f16 ? kKvF16 : kKvF32;
   const int per_sm = kind == kKvQ8 ? 1 : 2;  // the Q8_0 instance with hoisted rows needs ~190 registers

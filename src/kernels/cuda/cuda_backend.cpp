@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/sys.h"
 #include "kernels/cuda/cuda_api.h"
 #include "kernels/cuda/ops.h"
 #include "runtime/backend.h"
@@ -202,13 +203,12 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   block_size_ = opts.kv_block_size;
   max_blocks_ = (n_ctx_ + block_size_ - 1) / block_size_;
   n_blocks_ = opts.n_kv_blocks > 0 ? opts.n_kv_blocks : n_seq_ * max_blocks_;
-  if (const char* g = std::getenv("MERLIN_CUDA_GRAPHS"); g && std::string(g) == "0") graphs_ = false;
-  if (const char* f = std::getenv("MERLIN_CUDA_FUSE"); f && std::string(f) == "1") fuse_prep_ = true;
-  if (const char* f = std::getenv("MERLIN_CUDA_ATTN_EMIT"); f && std::string(f) == "0") attn_emits_ = false;
-  if (const char* f = std::getenv("MERLIN_CUDA_ROPE_FUSE"); f && std::string(f) == "0") rope_fuse_ = false;
-  if (const char* f = std::getenv("MERLIN_CUDA_GLU_FUSE"); f && std::string(f) == "0") glu_fuse_ = false;
-  if (kv_q8_) rope_fuse_ = false;  // a Q8_0 block of 32 is quantized by rope_kv, not by product epilogues
-  if (const char* k = std::getenv("MERLIN_CUDA_SPLITK"); k && std::string(k) == "0") split_attention_ = false;
+  graphs_ = !env_is("MERLIN_CUDA_GRAPHS", "0");
+  fuse_prep_ = env_is("MERLIN_CUDA_FUSE", "1");
+  attn_emits_ = !env_is("MERLIN_CUDA_ATTN_EMIT", "0");
+  rope_fuse_ = !env_is("MERLIN_CUDA_ROPE_FUSE", "0") && !kv_q8_;  // Q8_0 cache blocks are quantized by rope_kv
+  glu_fuse_ = !env_is("MERLIN_CUDA_GLU_FUSE", "0");
+  split_attention_ = !env_is("MERLIN_CUDA_SPLITK", "0");
   // Prefill products: from 64 tokens on, dequantizing to halves and cuBLAS beat the batched tensor-core kernel,
   // which reads each weight once per 32 tokens (docs/GPU.md). MERLIN_CUDA_GEMM_MIN=0 keeps every step on it.
   gemm_min_ = 64;
@@ -273,7 +273,7 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   MERLIN_CUDA_CHECK(cudaMallocHost(&h_ids_, B * sizeof(int32_t)));
   MERLIN_CUDA_CHECK(cudaMallocHost(&h_rows_, B * sizeof(RowSampling)));
   d_rows_ = static_cast<RowSampling*>(cuda::dev_alloc(B * sizeof(RowSampling)));
-  if (const char* f = std::getenv("MERLIN_CUDA_SAMPLE_SPLIT"); !f || std::string(f) != "0")
+  if (!env_is("MERLIN_CUDA_SAMPLE_SPLIT", "0"))
     d_sample_work_ = cuda::dev_alloc(cuda::sample_rows_work_bytes((int)B, c_.vocab_size));
   MERLIN_CUDA_CHECK(cudaMallocHost(&h_tiles_, B * sizeof(cuda::AttnTile)));
   d_tiles_ = static_cast<cuda::AttnTile*>(cuda::dev_alloc(B * sizeof(cuda::AttnTile)));

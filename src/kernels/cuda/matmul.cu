@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "core/sys.h"
 #include "kernels/cuda/act_impl.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/fragment.cuh"
@@ -493,10 +494,7 @@ int g_sm_count = 0;
 int g_resident[8][4][2][2] = {};  // [F][nt index, 3 = capped 32-token][staged][exact]
 
 bool nt4_capped() {
-  static const bool on = [] {
-    const char* v = std::getenv("MERLIN_CUDA_NT4_CAP");
-    return !(v && std::string(v) == "0");
-  }();
+  static const bool on = !env_is("MERLIN_CUDA_NT4_CAP", "0");
   return on;
 }
 
@@ -509,10 +507,7 @@ constexpr int nt_index(int nt) { return nt == 1 ? 0 : nt == 2 ? 1 : 2; }
 // cover k in one pass sums in the same order as split = 8, so results do not depend on it.
 // MERLIN_CUDA_MM_SPLIT=0 keeps 8 for A/B timing.
 int warps_per_tile(int64_t n_chunks, int64_t tiles, int64_t resident) {
-  static const bool on = [] {
-    const char* v = std::getenv("MERLIN_CUDA_MM_SPLIT");
-    return !(v && std::string(v) == "0");
-  }();
+  static const bool on = !env_is("MERLIN_CUDA_MM_SPLIT", "0");
   int s_min = 1;
   while (s_min < kWarps && (int64_t)s_min * kRound < n_chunks) s_min *= 2;
   int groups = 1;
@@ -525,10 +520,7 @@ int warps_per_tile(int64_t n_chunks, int64_t tiles, int64_t resident) {
 // The 32-token X kernels of the other int8 formats spill at their register cap (ptxas -v; Q4_K's spills
 // less than its checked kernel), so 32-token steps keep the checked kernel there.
 bool exact_rounds(int f, int nt, const MmArgs& p) {
-  static const bool on = [] {
-    const char* v = std::getenv("MERLIN_CUDA_MM_EXACT");
-    return !(v && std::string(v) == "0");
-  }();
+  static const bool on = !env_is("MERLIN_CUDA_MM_EXACT", "0");
   return on && !half_fmt(f) && (nt < 4 || f == kQ4_K) && p.n_chunks % kRound == 0 &&
          p.n_steps == p.n_chunks * steps_per_chunk(f);
 }

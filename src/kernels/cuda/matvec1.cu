@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "core/sys.h"
 #include "kernels/cuda/act_impl.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/fragment.cuh"
@@ -551,13 +552,10 @@ void prepare() {
 // MERLIN_CUDA_MV1 (read once): 0 = off (the general product runs), 2 / 3 = force that register budget
 // (CTAs per SM), unset or anything else = on with the per-format default.
 int mv1_mode() {
-  static const int mode = [] {
-    const char* e = std::getenv("MERLIN_CUDA_MV1");
-    if (e && std::strcmp(e, "0") == 0) return 0;
-    if (e && std::strcmp(e, "2") == 0) return 2;
-    if (e && std::strcmp(e, "3") == 0) return 3;
-    return 1;
-  }();
+  static const int mode = env_is("MERLIN_CUDA_MV1", "0")   ? 0
+                          : env_is("MERLIN_CUDA_MV1", "2") ? 2
+                          : env_is("MERLIN_CUDA_MV1", "3") ? 3
+                                                           : 1;
   return mode;
 }
 
@@ -572,19 +570,13 @@ bool exact_rounds(int f, const Geometry& geo) {
 
 // MERLIN_CUDA_MV1_RESID=0 (read once): accumulating products read the residual after their work (A/B timing).
 bool resid_early() {
-  static const bool on = [] {
-    const char* e = std::getenv("MERLIN_CUDA_MV1_RESID");
-    return !(e && std::strcmp(e, "0") == 0);
-  }();
+  static const bool on = !env_is("MERLIN_CUDA_MV1_RESID", "0");
   return on;
 }
 
 // MERLIN_CUDA_MV1_EXACT=0 (read once): always the predicated kernels (A/B timing; same results).
 bool exact_off() {
-  static const bool off = [] {
-    const char* e = std::getenv("MERLIN_CUDA_MV1_EXACT");
-    return e && std::strcmp(e, "0") == 0;
-  }();
+  static const bool off = env_is("MERLIN_CUDA_MV1_EXACT", "0");
   return off;
 }
 

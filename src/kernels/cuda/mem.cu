@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "core/sys.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_api.h"
 #include "kernels/cuda/ops.h"
@@ -53,8 +54,7 @@ size_t allocated_bytes() { return g_allocated.load(); }
 
 bool pdl_enabled() {
   static const bool on = [] {
-    const char* v = std::getenv("MERLIN_CUDA_PDL");
-    return !(v && std::string(v) == "0");
+    return !env_is("MERLIN_CUDA_PDL", "0");
   }();
   return on;
 }
