@@ -515,14 +515,13 @@ int warps_per_tile(int64_t n_chunks, int64_t tiles, int64_t resident) {
   return kWarps / groups;
 }
 
-// Whether every round that starts is whole (the X kernels of the int8 formats): whole rounds of chunks and
-// whole chunks of k-steps. MERLIN_CUDA_MM_EXACT=0 keeps the checked kernels (A/B timing; same results).
-// The 32-token X kernels of the other int8 formats spill at their register cap (ptxas -v; Q4_K's spills
-// less than its checked kernel), so 32-token steps keep the checked kernel there.
+// Whether the X kernels of the int8 formats apply: every round that starts is whole (whole_rounds). The
+// 32-token X kernels spill at their register cap (ptxas -v) except Q4_K's, which spills less than its checked
+// kernel, so other 32-token steps keep the checked one. MERLIN_CUDA_MM_EXACT=0 keeps the checked kernels
+// everywhere (A/B timing; same results).
 bool exact_rounds(int f, int nt, const MmArgs& p) {
   static const bool on = !env_is("MERLIN_CUDA_MM_EXACT", "0");
-  return on && !half_fmt(f) && (nt < 4 || f == kQ4_K) && p.n_chunks % kRound == 0 &&
-         p.n_steps == p.n_chunks * steps_per_chunk(f);
+  return on && (nt < 4 || f == kQ4_K) && whole_rounds(f, p.n_chunks, p.n_steps, kRound);
 }
 
 template <int F, int NT>

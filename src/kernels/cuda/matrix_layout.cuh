@@ -81,6 +81,12 @@ inline Geometry geometry(int f, int64_t rows_pad, int64_t k) {
   return g;
 }
 
+// Whether rounds of `round` chunks tile k exactly (whole rounds of whole chunks): the product kernels' exact
+// variants, which load and compute a round without per-chunk checks, apply (matvec1.cu, matmul.cu).
+inline bool whole_rounds(int f, int64_t n_chunks, int64_t n_steps, int round) {
+  return !half_fmt(f) && f != kF32 && n_chunks % round == 0 && n_steps == n_chunks * steps_per_chunk(f);
+}
+
 // Sets the product kernels' shared-memory limits and reads the SM count that sizes their persistent grids;
 // upload_matrix calls it, so it runs before any product is launched (never inside a graph capture).
 void init_matmul_kernels();

@@ -559,13 +559,11 @@ int mv1_mode() {
   return mode;
 }
 
-// Whether every round that starts is whole (the X kernels): whole rounds of chunks, and for the formats with
-// two k-steps per chunk an even number of steps.
+// Whether the X kernels apply: every round that starts is whole. Q8_0 and TQ2_0 spill in the exact kernel
+// (ptxas -v at 128 registers); Q8_0 streams at ~95 % already and TQ2_0 gained nothing from it (H200, ninth
+// session), so they keep the checked one.
 bool exact_rounds(int f, const Geometry& geo) {
-  // Q8_0 and TQ2_0 spill in the exact kernel (ptxas -v at 128 registers); Q8_0 streams at ~95 % already and
-  // TQ2_0 gained nothing from it (H200, ninth session).
-  if (f == kQ8_0 || f == kTQ2 || geo.n_chunks % kRound != 0) return false;
-  return (f != kQ4_0 && f != kMXFP4) || geo.n_steps == 2 * geo.n_chunks;
+  return f != kQ8_0 && f != kTQ2 && whole_rounds(f, geo.n_chunks, geo.n_steps, kRound);
 }
 
 // MERLIN_CUDA_MV1_RESID=0 (read once): accumulating products read the residual after their work (A/B timing).
