@@ -3,7 +3,7 @@
 #
 #   scripts/gpu_test.sh [BIN_DIR] [STAGES]
 #
-# BIN_DIR holds merlin, cuda_kernels_test, cuda_sample_test, cuda_gemm_test and cuda_backend_test (and gpt2/ with encoder.json + vocab.bpe for
+# BIN_DIR holds merlin, cuda_kernels_test, cuda_matvec1_test, cuda_sample_test, cuda_gemm_test and cuda_backend_test (and gpt2/ with encoder.json + vocab.bpe for
 # `merlin init`; cuda_matvec for the matvec stage); default build-gpu. STAGES: comma-separated subset of
 # tests,sanitize,serve,serve-load,sample,matvec,bench-base,bench-big (default tests,sanitize,serve,bench-base). `sample`
 # times `merlin run` on the default model: greedy, and sampled with rows cut into slices and with one CTA per row. `matvec` times
@@ -23,7 +23,7 @@ log() { echo "[gpu_test] $*" | tee -a "$OUT/summary.txt"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 
 if has tests; then
-  for t in "$BIN"/cuda_kernels_test "$BIN"/cuda_sample_test "$BIN"/cuda_gemm_test "$BIN"/cuda_attention_test "$BIN"/cuda_backend_test; do
+  for t in "$BIN"/cuda_kernels_test "$BIN"/cuda_matvec1_test "$BIN"/cuda_sample_test "$BIN"/cuda_gemm_test "$BIN"/cuda_attention_test "$BIN"/cuda_backend_test; do
     if "$t" --gtest_brief=1 >>"$OUT/tests.log" 2>&1; then log "PASS $(basename "$t")"; else log "FAIL $(basename "$t")"; status=1; fi
   done
   grep -E "^\[ (logits|default|gemm|flash) \]|FAILED|Failure|error" "$OUT/tests.log" | head -60
@@ -32,7 +32,7 @@ fi
 if has sanitize; then
   # memcheck over the kernel tests and the backend's graph / paged paths (the slow whole-model parity tests
   # run the same kernels and are left out to keep the run short).
-  for spec in "cuda_kernels_test:CudaKernels.*" "cuda_sample_test:CudaSample.*" "cuda_gemm_test:CudaGemm.*" "cuda_attention_test:CudaFlash*:CudaAttention.Q8*" "cuda_backend_test:CudaBackend.GraphReplay*:CudaBackend.Paged*:CudaBackend.GreedyIds*:CudaBackend.SampledIds*"; do
+  for spec in "cuda_kernels_test:CudaKernels.*" "cuda_matvec1_test:CudaMatvec1.*" "cuda_sample_test:CudaSample.*" "cuda_gemm_test:CudaGemm.*" "cuda_attention_test:CudaFlash*:CudaAttention.Q8*" "cuda_backend_test:CudaBackend.GraphReplay*:CudaBackend.Paged*:CudaBackend.GreedyIds*:CudaBackend.SampledIds*"; do
     bin=${spec%%:*}; filter=${spec#*:}
     if "$SAN" --tool memcheck --error-exitcode 3 "$BIN/$bin" --gtest_brief=1 --gtest_filter="$filter" \
         >>"$OUT/sanitize.log" 2>&1; then log "memcheck clean: $bin ($filter)"; else log "memcheck FAILED: $bin"; status=1; fi

@@ -30,31 +30,8 @@ using test::DevFloats;
 using test::download;
 
 
-// A rows x k matrix of `type` in GGUF layout.
-std::vector<uint8_t> random_matrix(DType type, int64_t rows, int64_t k, uint32_t seed) {
-  const size_t row_bytes = dtype_row_bytes(type, (uint64_t)k);
-  std::vector<uint8_t> m((size_t)rows * row_bytes);
-  if (type == DType::F32 || type == DType::F16 || type == DType::BF16) {
-    const std::vector<float> v = gaussian((size_t)rows * k, seed, 0.1f);
-    for (size_t i = 0; i < v.size(); ++i) {
-      if (type == DType::F32) std::memcpy(&m[4 * i], &v[i], 4);
-      else {
-        const uint16_t h = type == DType::F16 ? f32_to_fp16(v[i]) : f32_to_bf16(v[i]);
-        std::memcpy(&m[2 * i], &h, 2);
-      }
-    }
-  } else {
-    randomize_blocks(type, m.data(), m.size() / dtype_info(type).block_bytes, seed);
-  }
-  return m;
-}
-
-float max_abs(const std::vector<float>& v) {
-  float m = 0;
-  for (float x : v) m = std::max(m, std::fabs(x));
-  return m;
-}
-
+using test::max_abs;
+using test::random_matrix;
 
 }  // namespace
 
@@ -328,76 +305,6 @@ TEST(CudaKernels, SingleTokenProductMatchesScalarCpu) {
       cu::act_free(a);
       cu::free_matrix(m);
     }
-  }
-}
-
-// One token through a stacked [gate; up] matrix with the SwiGLU in the product's epilogue (matvec1_swiglu)
-// gives exactly the bits of the product followed by prep_act(SwiGlu), in every output format, for both
-// group sizes of the quantized kernel (16 or 8 warps' worth of tiles: S = 1, 2), with a partial last group
-// (ffn = 96: 6 output tiles) and rows long enough for several rounds per warp; F16/BF16 matrices (a warp
-// per gate/up row pair) also with a padded ffn (40 rows of 48).
-TEST(CudaKernels, SwiGluEpilogueMatchesSeparateKernel) {
-  REQUIRE_GPU();
-  struct Shape { int64_t ffn, k; };
-  for (DType t : {DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::Q4_K, DType::TQ2_0, DType::F16, DType::BF16})
-  for (const Shape s : {Shape{96, 768}, Shape{2048, 768}, Shape{1056, 4096}, Shape{40, 256}}) {
-    const bool half = t == DType::F16 || t == DType::BF16;
-    if (!half && s.ffn % 32 != 0) continue;
-    const int64_t up = cu::padded_rows(s.ffn);
-    const std::vector<uint8_t> g = random_matrix(t, s.ffn, s.k, 31), u = random_matrix(t, s.ffn, s.k, 32);
-    const size_t rb = dtype_row_bytes(t, (uint64_t)s.k);
-    const cu::MatrixPart parts[2] = {{t, g.data(), s.ffn, s.k, rb}, {t, u.data(), s.ffn, s.k, rb}};
-    cu::Matrix m = cu::upload_matrix(parts, 2, nullptr);
-    cu::ActBuf a = cu::act_alloc(m.act(), s.k, 1);
-    DevFloats dx(gaussian((size_t)s.k, 33, 2.0f)), dy(std::vector<float>((size_t)m.rows, 0.0f));
-    cu::PrepArgs p;
-    p.d_x = dx.p;
-    p.ld = s.k;
-    cu::prep_act(p, 1, a, nullptr);
-    for (cu::ActKind kind : {cu::ActKind::Q8_0, cu::ActKind::F16, cu::ActKind::BF16, cu::ActKind::F32})
-    for (int ls : {0, 1}) {
-      if (half && (kind == cu::ActKind::Q8_0 || ls == 1)) continue;  // halves emit element by element
-      SCOPED_TRACE(std::string(dtype_name(t)) + " ffn " + std::to_string(s.ffn) + " k " + std::to_string(s.k) +
-                   " kind " + std::to_string((int)kind) + " lsplit " + std::to_string(ls));
-      cu::set_matvec1_split(ls);
-      ASSERT_TRUE(cu::swiglu_fuses(m, s.ffn, up, kind));
-      cu::ActBuf want = cu::act_alloc(kind, s.ffn, 1), got = cu::act_alloc(kind, s.ffn, 1);
-      cu::matmul(m, a, 1, dy.p, m.rows, m.rows, false, nullptr);
-      const cu::PrepArgs glu{cu::Prep::SwiGlu, dy.p, m.rows, nullptr, 0, up, nullptr};
-      cu::prep_act(glu, 1, want, nullptr);
-      ASSERT_TRUE(cu::matvec1_swiglu(m, a, s.ffn, up, got, nullptr));
-      cu::sync_device();
-      cu::set_matvec1_split(-1);
-      auto same = [&](const auto* w, const auto* gt, size_t n, const char* plane) {
-        if (!w) return;
-        using T = std::remove_cv_t<std::remove_pointer_t<decltype(w)>>;
-        const auto hw = test::download(w, n), hg = test::download(gt, n);
-        EXPECT_EQ(std::memcmp(hw.data(), hg.data(), n * sizeof(T)), 0) << plane;
-      };
-      const size_t n = (size_t)s.ffn, nf = 8 * (size_t)s.ffn;
-      same(want.f, got.f, n, "f");
-      same(want.q, got.q, n, "q");
-      same(want.scale, got.scale, n / 32, "scale");
-      same(want.sum, got.sum, n / 32, "sum");
-      same(want.fq, got.fq, nf, "fq");
-      same(want.fs, got.fs, nf / 32, "fs");
-      same(want.fsum, got.fsum, nf / 32, "fsum");
-      same(want.hi, got.hi, n, "hi");
-      same(want.lo, got.lo, n, "lo");
-      same(want.fhi, got.fhi, nf, "fhi");
-      same(want.flo, got.flo, nf, "flo");
-      if (kind == cu::ActKind::F32) {
-        EXPECT_GT(max_abs(test::download(got.f, n)), 0.0f);
-      }
-      cu::act_free(want);
-      cu::act_free(got);
-    }
-    EXPECT_FALSE(cu::swiglu_fuses(m, s.ffn, up, cu::ActKind::Q8_K));
-    if (half) {
-      EXPECT_FALSE(cu::swiglu_fuses(m, s.ffn, up, cu::ActKind::Q8_0));
-    }
-    cu::act_free(a);
-    cu::free_matrix(m);
   }
 }
 

@@ -125,13 +125,18 @@ class CudaBackend final : public Backend {
   ActBuf& act(ActKind kind, int64_t k);
   bool use_gemm(const Linear& l, int n) const;
   void prepare_inputs(const cuda::PrepArgs& p, const Linear& l, int n, bool gemm);
-  // prepared: the input buffers already hold p's result (the attention kernel wrote Wo's input itself).
+  // prepared: the input buffers already hold p's result (the attention kernel wrote Wo's input itself);
+  // in: every matrix reads this buffer instead (a folded RMSNorm, folded_input), which holds p's result.
   void run_linear(const Linear& l, const cuda::PrepArgs& p, int n, float* y, int64_t ldy, int64_t n_out, bool acc,
-                  bool prepared = false);
+                  bool prepared = false, const ActBuf* in = nullptr);
   ActBuf* attention_output_act(const Linear& wo, int n);
-  bool run_gate_up_swiglu(const Layer& L, const cuda::PrepArgs& norm, int64_t ffn_off);
+  bool run_gate_up_swiglu(const Layer& L, const cuda::PrepArgs& norm, int64_t ffn_off, const ActBuf* in);
   void run_qkv(const Layer& L, const cuda::PrepArgs& norm, int n, const int32_t* pos, const int32_t* seq,
-               const cuda::KvArgs& kv);
+               const cuda::KvArgs& kv, const ActBuf* in);
+  bool folds_norm(const Linear& producer, const Linear& reader, int n) const;
+  ActBuf folded_input() const;
+  bool run_residual(const Linear& l, const cuda::PrepArgs& p, int n, bool prepared, const float* next_norm,
+                    const Linear* reader);
   float* upload_floats(const std::vector<float>& v);
 
   const Model& m_;
@@ -143,6 +148,9 @@ class CudaBackend final : public Backend {
   bool attn_emits_ = true;  // MERLIN_CUDA_ATTN_EMIT=0: a separate kernel quantizes the attention output
   bool rope_fuse_ = true;   // MERLIN_CUDA_ROPE_FUSE=0: one-token steps run rope_kv as its own kernel
   bool glu_fuse_ = true;    // MERLIN_CUDA_GLU_FUSE=0: one-token steps run SwiGLU as its own kernel
+  bool norm_fold_ = true;   // MERLIN_CUDA_NORM_FOLD=0: one-token steps run every RMSNorm as its own kernel
+  ActBuf norm_act_;         // the next RMSNorm's input as Wo / down write it (matvec1_norm), one row
+  double* norm_part_ = nullptr;  // its per-block sums of squares
   // Steps of at least gemm_min_ tokens run their products through cuBLAS (gemm.cu); 0: never.
   int gemm_min_ = 0;
   // Eager steps of at least flash_min_ tokens use the tiled attention kernel (flash_attention.cu); 0: never.
@@ -208,6 +216,7 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   attn_emits_ = !env_is("MERLIN_CUDA_ATTN_EMIT", "0");
   rope_fuse_ = !env_is("MERLIN_CUDA_ROPE_FUSE", "0") && !kv_q8_;  // Q8_0 cache blocks are quantized by rope_kv
   glu_fuse_ = !env_is("MERLIN_CUDA_GLU_FUSE", "0");
+  norm_fold_ = !env_is("MERLIN_CUDA_NORM_FOLD", "0") && c_.dim % 32 == 0;
   split_attention_ = !env_is("MERLIN_CUDA_SPLITK", "0");
   // Prefill products: from 64 tokens on, dequantizing to halves and cuBLAS beat the batched tensor-core kernel,
   // which reads each weight once per 32 tokens (docs/GPU.md). MERLIN_CUDA_GEMM_MIN=0 keeps every step on it.
@@ -263,6 +272,10 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   }
   head_ = make_linear({&m_.output()}, stream_);
   out_norm_ = upload_floats(m_.output_norm());
+  if (norm_fold_) {  // a buffer of its own: Wo and down read the shared Q8_0 row of length dim
+    norm_act_ = cuda::act_alloc(ActKind::Q8_0, c_.dim, 1);
+    norm_part_ = dev_array<double>((size_t)c_.dim / 32);
+  }
   const Weight& e = m_.token_embd();
   embd_ = cuda::dev_alloc((size_t)e.rows * e.row_bytes);
   cuda::copy_to_device(embd_, e.data, (size_t)e.rows * e.row_bytes);
@@ -320,7 +333,8 @@ CudaBackend::~CudaBackend() {
   }
   free_linear(head_);
   for (ActBuf& a : acts_) cuda::act_free(a);
-  for (void* p : {(void*)out_norm_, embd_, (void*)cos_sin_, (void*)table_, (void*)d_in_, (void*)x_, (void*)qkv_,
+  if (norm_fold_) cuda::act_free(norm_act_);
+  for (void* p : {(void*)norm_part_, (void*)out_norm_, embd_, (void*)cos_sin_, (void*)table_, (void*)d_in_, (void*)x_, (void*)qkv_,
                   (void*)att_, (void*)gu_, (void*)logits_, (void*)d_ids_})
     cuda::dev_free(p);
   cudaFreeHost(h_in_);
@@ -423,13 +437,14 @@ ActBuf* CudaBackend::attention_output_act(const Linear& wo, int n) {
 // QKV product, RoPE and the K/V cache write. Steps that do not go through cuBLAS do the last two in the
 // product's epilogue (matmul_rope_kv: one kernel less per layer, same bits).
 void CudaBackend::run_qkv(const Layer& L, const cuda::PrepArgs& norm, int n, const int32_t* pos, const int32_t* seq,
-                          const cuda::KvArgs& kv) {
+                          const cuda::KvArgs& kv, const ActBuf* in) {
   const int hd = (int)c_.head_dim();
   const int64_t q_dim = c_.n_heads * hd, kv_dim = c_.kv_dim(), qkv_ld = L.qkv.rows;
   const int64_t k_off = cuda::padded_rows(q_dim), v_off = k_off + cuda::padded_rows(kv_dim);
   if (rope_fuse_ && L.qkv.mats.size() == 1 && !use_gemm(L.qkv, n)) {
-    prepare_inputs(norm, L.qkv, n, false);
+    if (!in) prepare_inputs(norm, L.qkv, n, false);
     const Matrix& m = L.qkv.mats[0];
+    const ActBuf& x = in ? *in : act(m.act(), m.k);
     cuda::RopeKvArgs r;
     r.d_pos = pos;
     r.d_seq = seq;
@@ -441,10 +456,10 @@ void CudaBackend::run_qkv(const Layer& L, const cuda::PrepArgs& norm, int n, con
     r.hd = hd;
     r.n_rot = (int)c_.rot_dims();
     r.kv = kv;
-    if (cuda::matmul_rope_kv(m, act(m.act(), m.k), n, qkv_, qkv_ld, r, stream_)) return;
-    cuda::matmul(m, act(m.act(), m.k), n, qkv_, qkv_ld, qkv_ld, false, stream_);
+    if (cuda::matmul_rope_kv(m, x, n, qkv_, qkv_ld, r, stream_)) return;
+    cuda::matmul(m, x, n, qkv_, qkv_ld, qkv_ld, false, stream_);
   } else {
-    run_linear(L.qkv, norm, n, qkv_, qkv_ld, qkv_ld, false);
+    run_linear(L.qkv, norm, n, qkv_, qkv_ld, qkv_ld, false, false, in);
   }
   cuda::rope_kv(qkv_, qkv_ld, k_off, v_off, n, pos, seq, cos_sin_, (int)c_.n_heads, (int)c_.n_kv_heads, hd,
                 (int)c_.rot_dims(), kv, stream_);
@@ -452,19 +467,58 @@ void CudaBackend::run_qkv(const Layer& L, const cuda::PrepArgs& norm, int n, con
 
 // One-token steps: the gate/up product writes silu(gate) * up straight into the down product's input
 // (matvec1_swiglu: one kernel less per layer, same bits). False where it does not apply (nothing queued).
-bool CudaBackend::run_gate_up_swiglu(const Layer& L, const cuda::PrepArgs& norm, int64_t ffn_off) {
+bool CudaBackend::run_gate_up_swiglu(const Layer& L, const cuda::PrepArgs& norm, int64_t ffn_off, const ActBuf* in) {
   if (!glu_fuse_ || L.gate_up.mats.size() != 1) return false;
   const ActKind kind = L.down.mats[0].act();
   for (const Matrix& m : L.down.mats)
     if (m.act() != kind || m.k != c_.ffn_dim) return false;
   const Matrix& m = L.gate_up.mats[0];
   if (!cuda::swiglu_fuses(m, c_.ffn_dim, ffn_off, kind)) return false;
-  prepare_inputs(norm, L.gate_up, 1, false);
-  return cuda::matvec1_swiglu(m, act(m.act(), m.k), c_.ffn_dim, ffn_off, act(kind, c_.ffn_dim), stream_);
+  if (!in) prepare_inputs(norm, L.gate_up, 1, false);
+  return cuda::matvec1_swiglu(m, in ? *in : act(m.act(), m.k), c_.ffn_dim, ffn_off, act(kind, c_.ffn_dim), stream_);
+}
+
+// One-token steps: whether `producer` (Wo or down, which add to x_) can also write the RMSNorm input of
+// `reader` (gate/up, or the next layer's QKV), so that no RMSNorm kernel runs between them (matvec1_norm:
+// the reader's staged scales get 1 / rms(x) from per-block sums of squares; within rounding of the separate
+// kernel's result, not bit-identical). The reader must take Q8_0 rows through the single-token kernels.
+bool CudaBackend::folds_norm(const Linear& producer, const Linear& reader, int n) const {
+  if (!norm_fold_ || n != 1 || fuse_prep_ || producer.mats.size() != 1 || use_gemm(producer, n) || use_gemm(reader, n))
+    return false;
+  for (const Matrix& m : reader.mats)
+    if (m.act() != ActKind::Q8_0 || m.k != c_.dim) return false;
+  return cuda::norm_fold_fits(producer.mats[0], c_.dim);
+}
+
+ActBuf CudaBackend::folded_input() const {
+  ActBuf a = norm_act_;
+  a.rms_part = norm_part_;
+  a.rms_eps = c_.norm_eps;
+  return a;
+}
+
+// x_ += act(p) · l. With a reader (one-token steps, folds_norm), the product also writes the reader's input,
+// RMSNorm(x_) with weights next_norm, into norm_act_ and returns true: the reader takes folded_input().
+bool CudaBackend::run_residual(const Linear& l, const cuda::PrepArgs& p, int n, bool prepared, const float* next_norm,
+                               const Linear* reader) {
+  if (reader && folds_norm(l, *reader, n)) {
+    if (!prepared) prepare_inputs(p, l, n, false);
+    const Matrix& m = l.mats[0];
+    if (cuda::matvec1_norm(m, act(m.act(), m.k), x_, c_.dim, true, next_norm, norm_act_, norm_part_, stream_))
+      return true;
+    prepared = true;
+  }
+  run_linear(l, p, n, x_, c_.dim, c_.dim, true, prepared);
+  return false;
 }
 
 void CudaBackend::run_linear(const Linear& l, const cuda::PrepArgs& p, int n, float* y, int64_t ldy, int64_t n_out,
-                             bool acc, bool prepared) {
+                             bool acc, bool prepared, const ActBuf* in) {
+  if (in) {
+    for (size_t i = 0; i < l.mats.size(); ++i)
+      cuda::matmul(l.mats[i], *in, n, y + l.offset[i], ldy, std::min(n_out - l.offset[i], l.mats[i].rows), acc, stream_);
+    return;
+  }
   // With MERLIN_CUDA_FUSE=1, decode-sized steps let each product prepare its own input (one launch instead
   // of two). Off by default: on the H200 the separate preparation kernel, overlapped by programmatic
   // dependent launch, was faster than every CTA repeating the row's preparation (docs/GPU.md).
@@ -503,11 +557,15 @@ void CudaBackend::enqueue(int n, int n_out, Output out) {
   const int hd = (int)c_.head_dim();
   const int64_t q_dim = c_.n_heads * hd, k_off = cuda::padded_rows(q_dim);
   const int64_t ffn_off = cuda::padded_rows(c_.ffn_dim);
-  for (Layer& L : layers_) {
+  const ActBuf folded = folded_input();
+  bool attn_folded = false;  // the previous layer's down product wrote this layer's QKV input (run_residual)
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    const Layer& L = layers_[li];
+    const Layer* next = li + 1 < layers_.size() ? &layers_[li + 1] : nullptr;
     const int64_t qkv_ld = L.qkv.rows, gu_ld = L.gate_up.rows;
     cuda::PrepArgs norm{cuda::Prep::RmsNorm, x_, c_.dim, L.attn_norm, c_.norm_eps, 0, nullptr};
     const cuda::KvArgs kv{L.k, L.v, kv_elem_ == 2, block_size_, max_blocks_, table_, kv_q8_, L.ks, L.vs};
-    run_qkv(L, norm, n, pos, seq, kv);
+    run_qkv(L, norm, n, pos, seq, kv, attn_folded ? &folded : nullptr);
     ActBuf* wo_in = attention_output_act(L.wo, n);  // null for tiled attention
     if (flash_now_)
       cuda::flash_attention(qkv_, qkv_ld, d_tiles_, n_tiles_, (int)c_.n_heads, (int)c_.n_kv_heads, hd, kv, att_, stream_);
@@ -515,12 +573,13 @@ void CudaBackend::enqueue(int n, int n_out, Output out) {
       cuda::attention(qkv_, qkv_ld, k_off, n, pos, seq, (int)c_.n_heads, (int)c_.n_kv_heads, hd, n_ctx_, kv, att_,
                       stream_, split_attention_ ? &attn_scratch_ : nullptr, wo_in);
     cuda::PrepArgs plain{cuda::Prep::Plain, att_, q_dim, nullptr, 0, 0, nullptr};
-    run_linear(L.wo, plain, n, x_, c_.dim, c_.dim, true, wo_in != nullptr);
+    const bool ffn_folded = run_residual(L.wo, plain, n, wo_in != nullptr, L.ffn_norm, &L.gate_up);
+    const ActBuf* ffn_in = ffn_folded ? &folded : nullptr;
     cuda::PrepArgs norm2{cuda::Prep::RmsNorm, x_, c_.dim, L.ffn_norm, c_.norm_eps, 0, nullptr};
-    const bool glu_done = n == 1 && run_gate_up_swiglu(L, norm2, ffn_off);
-    if (!glu_done) run_linear(L.gate_up, norm2, n, gu_, gu_ld, gu_ld, false);
+    const bool glu_done = n == 1 && run_gate_up_swiglu(L, norm2, ffn_off, ffn_in);
+    if (!glu_done) run_linear(L.gate_up, norm2, n, gu_, gu_ld, gu_ld, false, false, ffn_in);
     cuda::PrepArgs glu{cuda::Prep::SwiGlu, gu_, gu_ld, nullptr, 0, ffn_off, nullptr};
-    run_linear(L.down, glu, n, x_, c_.dim, c_.dim, true, glu_done);
+    attn_folded = run_residual(L.down, glu, n, glu_done, next ? next->attn_norm : nullptr, next ? &next->qkv : nullptr);
   }
   if (n_out > 0) {
     cuda::PrepArgs fin{cuda::Prep::RmsNorm, x_, c_.dim, out_norm_, c_.norm_eps, 0, rows};

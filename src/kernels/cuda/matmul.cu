@@ -666,6 +666,7 @@ void matmul(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, in
             Stream stream) {
   if (n <= 0) return;
   MERLIN_CHECK(x.kind == w.act() && x.k == w.k && n <= x.n_cap, "matmul: activation buffer does not fit the matrix");
+  MERLIN_CHECK(!x.rms_part || n == 1, "matmul: a deferred RMSNorm (matvec1_norm) is read by one-token steps only");
   if (n == 1 && matvec1(w, x, d_y, n_out_rows, accumulate, stream)) return;
   launch_product(w.fmt, product_args(w, x, n, d_y, ldy, n_out_rows, accumulate), stream);
 }
@@ -678,6 +679,7 @@ bool matmul_rope_kv(const Matrix& w, const ActBuf& x, int n, float* d_qkv, int64
                    r.v_off + r.kv_dim <= w.rows && ldy >= w.rows,
                "matmul_rope_kv: Q/K/V rows do not fit the matrix");
   if (w.fmt == kF32 || r.kv.q8) return false;
+  MERLIN_CHECK(!x.rms_part || n == 1, "matmul_rope_kv: a deferred RMSNorm is read by one-token steps only");
   if (n == 1 && matvec1_rope_kv(w, x, d_qkv, r, stream)) return true;
   MmArgs p = product_args(w, x, n, d_qkv, ldy, w.rows, false);
   p.rope_on = 1;

@@ -42,7 +42,8 @@
 namespace merlin::cuda {
 namespace {
 
-constexpr int kWarps = 8, kThreads = kWarps * 32;
+constexpr int kWarps = 8;       // a CTA of the plain and Glu variants
+constexpr int kNormWarps = 16;  // a CTA of the Norm variant (see warps_of)
 constexpr int kRound = 4;              // chunks per round: one Q4_K super-block, two TQ2_0 super-blocks
 constexpr int64_t kMaxK = 65536;       // longest row whose activations fit the staged shared memory
 constexpr int64_t kKBucket = 4096;     // occupancy is tabulated per bucket of k (shared memory grows with k)
@@ -67,7 +68,16 @@ struct Mv1Args {
   int glu_up_tile;  // Glu variant: first tile of the up rows
   int glu_tiles;    // Glu variant: tiles of outputs (ffn / 16) in each half
   ActBuf glu_out;   // Glu variant: the down product's input (Q8_0, F16, BF16 or F32), row 0
+  const double* rms_part;  // deferred RMSNorm of the staged row (ActBuf::rms_part), or null
+  float rms_eps;
+  const float* norm_w;     // Norm variant: the next RMSNorm's weight of each output row
+  ActBuf norm_out;         // Norm variant: Q8_0 codes of y * norm_w, unnormalised block scales (row 0)
+  double* norm_part;       // Norm variant: per block of 32 outputs, the sum of y^2
 };
+
+// Epilogues of the kernel: plain rows, SwiGLU of stacked gate/up rows, or plain rows plus the next RMSNorm's
+// input with a deferred scale (matvec1_norm).
+enum Epi : int { kEpiPlain = 0, kEpiGlu = 1, kEpiNorm = 2 };
 
 // Scale words per round: per k-step (Q8_0, Q4_0: half2 of rows g, g + 8; MXFP4: their e8m0 bytes), per
 // super-block (TQ2_0: half2), none (Q4_K: two 16-byte headers instead).
@@ -295,15 +305,42 @@ __device__ __forceinline__ void compute_round(const Mv1Args& p, const Round<F>& 
 // (x[4t], x[16+4t], x[4t+1], x[16+4t+1], ...) like the nibbles of its code words.
 // Q4_0 stages 16 bytes per step and lane group instead: the 8 bytes, then -8 times their sum and the
 // block scale, so its inner loop reads one vector per step (stage_bytes).
+// With a deferred RMSNorm (rms_part) the row's block scales lack 1 / rms(x): every warp sums the per-block
+// sums of squares (in double, in a fixed order, like row_scale) and the staged scale is the product rounded
+// to half, as prep_act rounds a block scale.
+__device__ __forceinline__ float deferred_rms(const Mv1Args& p) {
+  const int kb = (int)(p.k / 32), lane = threadIdx.x & 31;
+  double ss = 0.0;
+  for (int i = lane; i < kb; i += 32) ss += p.rms_part[i];
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  return 1.0f / sqrtf((float)(ss / (double)p.k) + p.rms_eps);
+}
+
+// Only formats that read Q8_0 rows (Q4_K and TQ2_0 read Q8_K: the host never defers their norm, and the
+// dead branch made ptxas spill in TQ2_0's kernel).
 template <int F>
+__device__ __forceinline__ constexpr bool reads_q8_0() { return F == kQ8_0 || F == kQ4_0 || F == kMXFP4; }
+
+template <int F>
+__device__ __forceinline__ float staged_scale(const Mv1Args& p, int s, float rms) {
+  if constexpr (reads_q8_0<F>()) return p.rms_part ? round_to_half(p.xs[s] * rms) : p.xs[s];
+  return p.xs[s];
+}
+
+template <int F, int W>
 __device__ __forceinline__ void stage_x(const Mv1Args& p, uint8_t* sm) {
+  constexpr int kT = W * 32;
   const int kb = (int)(p.k / 32);
   const uint4* src = reinterpret_cast<const uint4*>(p.xq);  // activation buffers are 256-byte aligned
   uint4* dst = reinterpret_cast<uint4*>(sm);
-  for (int s = threadIdx.x; s < kb; s += kThreads) {
+  float rms = 1.0f;
+  if constexpr (reads_q8_0<F>()) {
+    if (p.rms_part) rms = deferred_rms(p);
+  }
+  for (int s = threadIdx.x; s < kb; s += kT) {
     const uint4 a = src[2 * s], b = src[2 * s + 1];
     if constexpr (F == kQ4_0) {
-      const uint32_t sx = __float_as_uint(p.xs[s]);
+      const uint32_t sx = __float_as_uint(staged_scale<F>(p, s, rms));
       const uint32_t lo[4] = {a.x, a.y, a.z, a.w}, hi[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
       for (int t = 0; t < 4; ++t)
@@ -323,7 +360,7 @@ __device__ __forceinline__ void stage_x(const Mv1Args& p, uint8_t* sm) {
   }
   if constexpr (F != kQ4_0) {
     float* xs = reinterpret_cast<float*>(sm + p.k);
-    for (int i = threadIdx.x; i < kb; i += kThreads) xs[i] = p.xs[i];
+    for (int i = threadIdx.x; i < kb; i += kT) xs[i] = staged_scale<F>(p, i, rms);
   }
   __syncthreads();
 }
@@ -334,21 +371,45 @@ struct Cursor {
   int grp, r;  // group index (global) and round
 };
 
+// The next RMSNorm's input from 32 consecutive final rows y (one per lane, row = the lane's row): the Q8_0
+// codes of y * w as emit() quantizes a block, with the block scale of y * w, not of y / rms(y) * w (the row's
+// rms is not known until every block is done), and the block's sum of y^2 in double. A single-token reader
+// multiplies the scale by 1 / rms when it stages the row (deferred_rms): up to rounding, what prep_act's
+// RMSNorm gives (the codes are those of the same values times a common factor).
+__device__ __forceinline__ void emit_norm(const Mv1Args& p, int64_t row, float y, float w) {
+  const float v = __fmul_rn(y, w);
+  const float amax = warp_max(fabsf(v));
+  const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+  const int q = __float2int_rn(v * id);
+  p.norm_out.q[row] = (int8_t)q;
+  const int sum = warp_sum_int(q);
+  double ss = (double)y * (double)y;
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if ((threadIdx.x & 31) == 0) {
+    p.norm_out.scale[row / 32] = amax / 127.0f;
+    p.norm_out.sum[row / 32] = sum;
+    p.norm_part[row / 32] = ss;
+  }
+}
+
 // Adds the S warps' row sums of the tile group in a fixed order and writes (or adds) the outputs.
 // With rope_on, row r goes through rope_store with its pair partner r ^ 1 (same tile): lane ^ 4 holds it
 // when a warp owns the tile, thread ^ 1 after the shared-memory reduction.
 // With `early`, res0 / res1 hold the rows' previous values (prefetch_residual), read before the group's
 // work instead of after it: the same sums, one memory round trip less at the end of a decode step's kernel.
+// Norm: S >= 2 (the host sees to it), so whole warps hold 32 consecutive rows, one Q8_0 block of the next
+// RMSNorm's input, which emit_norm writes from the rows' final values (nw: the thread's row's norm weight).
+template <bool Norm, int W>
 __device__ __forceinline__ void finish_group(const Mv1Args& p, int grp, int warp, int lane, float acc0, float acc1,
                                              float (*red)[16], const RopeTarget& at, bool early, float res0,
-                                             float res1) {
+                                             float res1, float nw) {
   // The 4 lanes of a row: xor shuffles give every lane the same sum (float addition is commutative).
   acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
   acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
   acc0 += __shfl_xor_sync(0xffffffffu, acc0, 2);
   acc1 += __shfl_xor_sync(0xffffffffu, acc1, 2);
-  const int S = 1 << p.lsplit, tpg = kWarps >> p.lsplit;
-  if (S == 1) {  // a warp owns its tile: no barrier needed
+  const int S = 1 << p.lsplit, tpg = W >> p.lsplit;
+  if (!Norm && S == 1) {  // a warp owns its tile: no barrier needed
     if (p.rope_on) {
       const float w0 = __shfl_xor_sync(0xffffffffu, acc0, 4), w1 = __shfl_xor_sync(0xffffffffu, acc1, 4);
       const int64_t r0 = ((int64_t)grp * tpg + warp) * 16 + (lane >> 2);
@@ -379,6 +440,13 @@ __device__ __forceinline__ void finish_group(const Mv1Args& p, int grp, int warp
     if (p.rope_on) {
       const float w = __shfl_xor_sync(0xffffffffu, v, 1);
       if (act && row < p.n_out) rope_store(p.rope, p.y, row, v, w, at);
+    } else if (Norm) {
+      const bool valid = act && row < p.n_out;  // n_out % 32 == 0: whole warps valid or not
+      if (valid) {
+        const float y = p.accumulate ? (early ? res0 : p.y[row]) + v : v;
+        p.y[row] = y;
+        emit_norm(p, row, y, nw);
+      }
     } else if (act && row < p.n_out) {
       p.y[row] = p.accumulate ? (early ? res0 : p.y[row]) + v : v;
     }
@@ -426,9 +494,10 @@ __device__ __forceinline__ void finish_glu(const Mv1Args& p, int grp, int warp, 
 }
 
 // The previous values of the rows finish_group writes for tile group grp, in the threads that write them.
+template <int W>
 __device__ __forceinline__ void prefetch_residual(const Mv1Args& p, int grp, int warp, int lane, float& res0,
                                                   float& res1) {
-  const int S = 1 << p.lsplit, tpg = kWarps >> p.lsplit;
+  const int S = 1 << p.lsplit, tpg = W >> p.lsplit;
   if (S == 1) {
     if ((lane & 3) == 0) {
       const int64_t r0 = ((int64_t)grp * tpg + warp) * 16 + (lane >> 2);
@@ -454,14 +523,30 @@ __device__ __forceinline__ void advance(const Mv1Args& p, Cursor& c) {
 // Both variants are compiled so that MERLIN_CUDA_MV1=2 or =3 can force one for timing.
 __host__ __device__ constexpr int min_blocks(int) { return 2; }
 
-template <int F, int MB, bool Glu, bool X>
-__global__ void __launch_bounds__(kThreads, MB) mv1_kernel(Mv1Args p) {
+// The norm weight of the row this thread finishes in tile group grp (finish_group's thread-per-row order).
+template <int W>
+__device__ __forceinline__ float norm_weight(const Mv1Args& p, int grp) {
+  const int tpg = W >> p.lsplit;
+  if ((int)threadIdx.x >= tpg * 16) return 0.0f;
+  const int64_t row = ((int64_t)grp * tpg + (threadIdx.x >> 4)) * 16 + (threadIdx.x & 15);
+  return row < p.n_out ? __ldg(p.norm_w + row) : 0.0f;
+}
+
+// Warps per CTA: the Norm variant's groups must hold whole Q8_0 blocks (2 tiles, S <= W / 2); 16 warps let
+// it split each tile over 8 warps as the plain product does for short rows (base) and small matrices that
+// cover the SMs once (macbook's Wo and down), at 1 CTA per SM instead of 2.
+__host__ __device__ constexpr int warps_of(int epi) { return epi == kEpiNorm ? kNormWarps : kWarps; }
+
+template <int F, int MB, int E, bool X>
+__global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
+  constexpr bool Glu = E == kEpiGlu, Norm = E == kEpiNorm;
+  constexpr int W = warps_of(E);
   extern __shared__ __align__(16) uint8_t smem[];
-  __shared__ float red[2][kWarps][16];
+  __shared__ float red[2][W][16];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
   const int S = 1 << p.lsplit;
   const int slot = warp >> p.lsplit, sub = warp & (S - 1);
-  const int tpg = kWarps >> p.lsplit;
+  const int tpg = W >> p.lsplit;
   // Items of this CTA: groups blockIdx.x, + gridDim.x, ...; rounds 0 .. rounds - 1 of each.
   const int bx = (int)blockIdx.x, nb = (int)gridDim.x;
   const int my_groups = bx < p.groups ? (p.groups - bx + nb - 1) / nb : 0;
@@ -483,12 +568,13 @@ __global__ void __launch_bounds__(kThreads, MB) mv1_kernel(Mv1Args p) {
   Cursor cur{(int)blockIdx.x, 0};
   if (n_items > 0) load_round<F, X>(p, tile_of(cur), chunk_of(cur), nc_of(cur), lane, ra);
   const RopeTarget at = p.rope_on ? rope_target(p.rope) : RopeTarget{};
+  float nw = Norm && n_items > 0 ? norm_weight<W>(p, bx) : 0.0f;  // the first group's, like its first round
   pdl_trigger();
   pdl_wait();
   bool early = !Glu && p.accumulate && p.resid_early && n_items > 0;
   float res0 = 0.f, res1 = 0.f;
-  if (early) prefetch_residual(p, (int)blockIdx.x, warp, lane, res0, res1);
-  stage_x<F>(p, smem);
+  if (early) prefetch_residual<W>(p, (int)blockIdx.x, warp, lane, res0, res1);
+  stage_x<F, W>(p, smem);
   const uint2* xq = reinterpret_cast<const uint2*>(smem);
   const float* xs = reinterpret_cast<const float*>(smem + p.k);
   float acc0 = 0.f, acc1 = 0.f;
@@ -501,8 +587,11 @@ __global__ void __launch_bounds__(kThreads, MB) mv1_kernel(Mv1Args p) {
     compute_round<F, X>(p, now, chunk_of(cur), nc_of(cur), xq, xs, t, acc0, acc1);
     if (cur.r == p.rounds - 1) {
       if constexpr (Glu) finish_glu(p, cur.grp, warp, lane, acc0, acc1, red[parity]);
-      else finish_group(p, cur.grp, warp, lane, acc0, acc1, red[parity], at, early, res0, res1);
+      else finish_group<Norm, W>(p, cur.grp, warp, lane, acc0, acc1, red[parity], at, early, res0, res1, nw);
       early = false;
+      if constexpr (Norm) {
+        if (i + 1 < n_items) nw = norm_weight<W>(p, nx.grp);  // requested before the next group's rounds
+      }
       parity ^= 1;
       acc0 = acc1 = 0.f;
     }
@@ -521,32 +610,38 @@ size_t smem_bytes(int64_t k) { return F == kQ4_0 ? (size_t)k * 2 : (size_t)k + (
 int g_sm_count = 0;
 int g_split_override = -1;  // set_matvec1_split (tests): log2 of the warps per tile, -1 = chosen per matrix
 // The kernels built per format: the register budget MB (3 only for non-exact plain products, forced by
-// MERLIN_CUDA_MV1=3), the Glu epilogue and exact rounds X.
-enum Variant : int { kPlain2, kPlain3, kGlu, kPlainX, kGluX, kVariants };
-constexpr int variant_of(int mb, bool glu, bool x) {
-  return glu ? (x ? kGluX : kGlu) : mb == 3 ? kPlain3 : x ? kPlainX : kPlain2;
+// MERLIN_CUDA_MV1=3), the epilogue (Epi) and exact rounds X.
+enum Variant : int { kPlain2, kPlain3, kGlu, kPlainX, kGluX, kNorm, kNormX, kVariants };
+constexpr int variant_of(int mb, int epi, bool x) {
+  return epi == kEpiGlu    ? (x ? kGluX : kGlu)
+         : epi == kEpiNorm ? (x ? kNormX : kNorm)
+         : mb == 3         ? kPlain3
+         : x               ? kPlainX
+                           : kPlain2;
 }
 
 // CTAs per SM of each variant for rows up to (bucket + 1) * kKBucket, [F][variant][bucket].
 int g_resident[8][kVariants][kBuckets] = {};
 
-template <int F, int MB, bool Glu, bool X>
+template <int F, int MB, int E, bool X>
 void prepare_mb() {
-  const auto kernel = mv1_kernel<F, MB, Glu, X>;
+  const auto kernel = mv1_kernel<F, MB, E, X>;
   MERLIN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes<F>(kMaxK)));
   for (int b = 0; b < kBuckets; ++b)
-    MERLIN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&g_resident[F][variant_of(MB, Glu, X)][b], kernel,
-                                                                     kThreads, smem_bytes<F>((b + 1) * kKBucket)));
+    MERLIN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&g_resident[F][variant_of(MB, E, X)][b], kernel,
+                                                                     warps_of(E) * 32, smem_bytes<F>((b + 1) * kKBucket)));
 }
 
 
 template <int F>
 void prepare() {
-  prepare_mb<F, 2, false, false>();
-  prepare_mb<F, 3, false, false>();
-  prepare_mb<F, 2, true, false>();
-  prepare_mb<F, 2, false, true>();
-  prepare_mb<F, 2, true, true>();
+  prepare_mb<F, 2, kEpiPlain, false>();
+  prepare_mb<F, 3, kEpiPlain, false>();
+  prepare_mb<F, 2, kEpiGlu, false>();
+  prepare_mb<F, 2, kEpiPlain, true>();
+  prepare_mb<F, 2, kEpiGlu, true>();
+  prepare_mb<F, 1, kEpiNorm, false>();
+  prepare_mb<F, 1, kEpiNorm, true>();
 }
 
 // MERLIN_CUDA_MV1 (read once): 0 = off (the general product runs), 2 / 3 = force that register budget
@@ -580,27 +675,39 @@ bool exact_off() {
 
 // Warps per tile S = 2^lsplit: the one that minimizes the busiest CTA's work, (tile groups per CTA) x
 // (rounds per warp and tile); ties go to the smaller S (fewer reductions and barriers). The Glu variant's
-// groups cover tpg / 2 output tiles (and as many up tiles), and S <= 2.
-void choose_split(Mv1Args& p, int64_t ctas, bool glu) {
-  int ls = 0;
+// groups cover tpg / 2 output tiles (and as many up tiles), and S <= 2; the Norm variant's CTAs have 16
+// warps and 2 <= S <= 8 (a group is 32 to 128 rows, whole Q8_0 blocks in whole warps of finish_group).
+void choose_split(Mv1Args& p, int64_t ctas, bool glu, bool norm = false) {
+  const int W = norm ? kNormWarps : kWarps, lo = norm ? 1 : 0, hi = glu ? 1 : 3;
+  auto per_group = [&](int l) { return glu ? (W >> l) / 2 : W >> l; };
+  const int64_t tiles = glu ? p.glu_tiles : p.tiles;
+  int ls = lo;
   int64_t best = INT64_MAX;
-  for (int l = 0; l <= (glu ? 1 : 3); ++l) {
-    const int64_t per_group = glu ? (kWarps >> l) / 2 : kWarps >> l, tiles = glu ? p.glu_tiles : p.tiles;
-    const int64_t groups = (tiles + per_group - 1) / per_group;
+  for (int l = lo; l <= hi; ++l) {
+    const int64_t groups = (tiles + per_group(l) - 1) / per_group(l);
     const int64_t rounds = (p.n_chunks + (kRound << l) - 1) / (kRound << l);
     const int64_t cost = (groups + ctas - 1) / ctas * rounds;
     if (cost < best) best = cost, ls = l;
   }
-  if (g_split_override >= 0) ls = std::min(g_split_override, glu ? 1 : 3);
+  if (g_split_override >= 0) ls = std::clamp(g_split_override, lo, hi);
   p.lsplit = ls;
   p.rounds = (p.n_chunks + (kRound << ls) - 1) / (kRound << ls);
-  const int per_group = glu ? (kWarps >> ls) / 2 : kWarps >> ls;
-  p.groups = ((glu ? p.glu_tiles : p.tiles) + per_group - 1) / per_group;
+  p.groups = (int)((tiles + per_group(ls) - 1) / per_group(ls));
 }
+
+// What a launch adds to the plain product: RoPE + K/V write, the SwiGLU output, or the next RMSNorm's input.
+struct Extra {
+  const RopeKvArgs* rope = nullptr;
+  const ActBuf* glu_out = nullptr;
+  int64_t glu_up_row = 0;
+  const float* norm_w = nullptr;
+  const ActBuf* norm_out = nullptr;
+  double* norm_part = nullptr;
+};
 
 template <int F>
 void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool accumulate, Stream stream,
-            const RopeKvArgs* rope = nullptr, const ActBuf* glu_out = nullptr, int64_t glu_up_row = 0) {
+            const Extra& e) {
   const Geometry geo = geometry(F, w.rows, w.k);
   Mv1Args p{};
   p.q = w.q;
@@ -612,31 +719,41 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
   p.tiles = (int)geo.tiles;
   p.xq = x.q;
   p.xs = x.scale;
+  p.rms_part = x.rms_part;
+  p.rms_eps = x.rms_eps;
   p.y = d_y;
   p.n_out = n_out;
   p.accumulate = accumulate ? 1 : 0;
   p.resid_early = resid_early() ? 1 : 0;
-  p.rope_on = rope ? 1 : 0;
-  if (rope) p.rope = *rope;
-  if (glu_out) {
-    p.glu_out = *glu_out;
-    p.glu_up_tile = (int)(glu_up_row / 16);
+  p.rope_on = e.rope ? 1 : 0;
+  if (e.rope) p.rope = *e.rope;
+  if (e.glu_out) {
+    p.glu_out = *e.glu_out;
+    p.glu_up_tile = (int)(e.glu_up_row / 16);
     p.glu_tiles = (int)(n_out / 16);
   }
-  const int mb = glu_out || mv1_mode() < 2 ? min_blocks(F) : mv1_mode();
-  const bool exact = mb == 2 && exact_rounds(F, geo) && !exact_off();
-  const int v = variant_of(mb, glu_out != nullptr, exact);
+  if (e.norm_out) {
+    p.norm_w = e.norm_w;
+    p.norm_out = *e.norm_out;
+    p.norm_part = e.norm_part;
+  }
+  const int epi = e.glu_out ? kEpiGlu : e.norm_out ? kEpiNorm : kEpiPlain;
+  const int mb = epi == kEpiNorm ? 1 : epi != kEpiPlain || mv1_mode() < 2 ? min_blocks(F) : mv1_mode();
+  const bool exact = mb != 3 && exact_rounds(F, geo) && !exact_off();
+  const int v = variant_of(mb, epi, exact);
   const int per_sm = std::max(1, g_resident[F][v][(w.k - 1) / kKBucket]);
   const int64_t ctas = (int64_t)g_sm_count * per_sm;
-  choose_split(p, ctas, glu_out != nullptr);
+  choose_split(p, ctas, epi == kEpiGlu, epi == kEpiNorm);
   const unsigned grid = (unsigned)std::min<int64_t>(p.groups, ctas);
   const size_t smem = smem_bytes<F>(w.k);
-  void (*kernel)(Mv1Args) = v == kGluX     ? mv1_kernel<F, 2, true, true>
-                            : v == kGlu    ? mv1_kernel<F, 2, true, false>
-                            : v == kPlainX ? mv1_kernel<F, 2, false, true>
-                            : v == kPlain3 ? mv1_kernel<F, 3, false, false>
-                                           : mv1_kernel<F, 2, false, false>;
-  launch_pdl(kernel, dim3(grid), dim3(kThreads), smem, stream, p);
+  void (*kernel)(Mv1Args) = v == kGluX     ? mv1_kernel<F, 2, kEpiGlu, true>
+                            : v == kGlu    ? mv1_kernel<F, 2, kEpiGlu, false>
+                            : v == kNormX  ? mv1_kernel<F, 1, kEpiNorm, true>
+                            : v == kNorm   ? mv1_kernel<F, 1, kEpiNorm, false>
+                            : v == kPlainX ? mv1_kernel<F, 2, kEpiPlain, true>
+                            : v == kPlain3 ? mv1_kernel<F, 3, kEpiPlain, false>
+                                           : mv1_kernel<F, 2, kEpiPlain, false>;
+  launch_pdl(kernel, dim3(grid), dim3(warps_of(epi) * 32), smem, stream, p);
   check_launch("matvec1");
 }
 
@@ -645,18 +762,24 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
 namespace {
 
 bool dispatch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out_rows, bool accumulate, Stream stream,
-              const RopeKvArgs* rope, const ActBuf* glu_out = nullptr, int64_t glu_up_row = 0) {
-  if (mv1_mode() == 0 || w.k > kMaxK || w.k <= 0 || g_sm_count == 0) return false;
+              const Extra& e = {}) {
+  if (mv1_mode() == 0 || w.k > kMaxK || w.k <= 0 || g_sm_count == 0) {
+    MERLIN_CHECK(!x.rms_part, "matvec1: a row with a deferred RMSNorm needs the single-token kernels");
+    return false;
+  }
+  MERLIN_CHECK(!x.rms_part || x.kind == ActKind::Q8_0, "matvec1: deferred RMSNorm on a non-Q8_0 row");
   const int64_t n_out = std::min(n_out_rows, w.rows);
   if (n_out <= 0) return true;
   switch (w.fmt) {
-    case kQ8_0: launch<kQ8_0>(w, x, d_y, n_out, accumulate, stream, rope, glu_out, glu_up_row); return true;
-    case kQ4_0: launch<kQ4_0>(w, x, d_y, n_out, accumulate, stream, rope, glu_out, glu_up_row); return true;
-    case kMXFP4: launch<kMXFP4>(w, x, d_y, n_out, accumulate, stream, rope, glu_out, glu_up_row); return true;
-    case kQ4_K: launch<kQ4_K>(w, x, d_y, n_out, accumulate, stream, rope, glu_out, glu_up_row); return true;
-    case kTQ2: launch<kTQ2>(w, x, d_y, n_out, accumulate, stream, rope, glu_out, glu_up_row); return true;
+    case kQ8_0: launch<kQ8_0>(w, x, d_y, n_out, accumulate, stream, e); return true;
+    case kQ4_0: launch<kQ4_0>(w, x, d_y, n_out, accumulate, stream, e); return true;
+    case kMXFP4: launch<kMXFP4>(w, x, d_y, n_out, accumulate, stream, e); return true;
+    case kQ4_K: launch<kQ4_K>(w, x, d_y, n_out, accumulate, stream, e); return true;
+    case kTQ2: launch<kTQ2>(w, x, d_y, n_out, accumulate, stream, e); return true;
     case kF16:
-    case kBF16: return matvec1_half(w, x, d_y, n_out, accumulate, stream, rope, glu_out, glu_up_row);
+    case kBF16:
+      MERLIN_CHECK(!e.norm_out, "matvec1: no RMSNorm epilogue for F16/BF16 rows");
+      return matvec1_half(w, x, d_y, n_out, accumulate, stream, e.rope, e.glu_out, e.glu_up_row);
     default: return false;
   }
 }
@@ -664,11 +787,13 @@ bool dispatch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out_rows, 
 }  // namespace
 
 bool matvec1(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out_rows, bool accumulate, Stream stream) {
-  return dispatch(w, x, d_y, n_out_rows, accumulate, stream, nullptr);
+  return dispatch(w, x, d_y, n_out_rows, accumulate, stream);
 }
 
 bool matvec1_rope_kv(const Matrix& w, const ActBuf& x, float* d_qkv, const RopeKvArgs& r, Stream stream) {
-  return dispatch(w, x, d_qkv, w.rows, false, stream, &r);
+  Extra e;
+  e.rope = &r;
+  return dispatch(w, x, d_qkv, w.rows, false, stream, e);
 }
 
 // The split the plain product of w picks (choose_split). The SwiGLU epilogue needs S <= 2; where the plain
@@ -699,7 +824,30 @@ bool swiglu_fuses(const Matrix& w, int64_t ffn, int64_t up_row, ActKind out) {
 bool matvec1_swiglu(const Matrix& w, const ActBuf& x, int64_t ffn, int64_t up_row, ActBuf& out, Stream stream) {
   if (!swiglu_fuses(w, ffn, up_row, out.kind)) return false;
   MERLIN_CHECK(out.k == ffn && out.n_cap >= 1, "matvec1_swiglu: output buffer of ", out.k, " elements for ", ffn);
-  return dispatch(w, x, nullptr, ffn, false, stream, nullptr, &out, up_row);
+  Extra e;
+  e.glu_out = &out;
+  e.glu_up_row = up_row;
+  return dispatch(w, x, nullptr, ffn, false, stream, e);
+}
+
+// The Norm epilogue: quantized rows (F16/BF16 rows have their own kernel), whole blocks of 32 outputs, and
+// a Q8_0 reader whose row of n_out elements is staged by the single-token kernels.
+bool norm_fold_fits(const Matrix& w, int64_t n_out) {
+  const bool fmt = w.fmt == kQ8_0 || w.fmt == kQ4_0 || w.fmt == kMXFP4 || w.fmt == kQ4_K || w.fmt == kTQ2;
+  return fmt && mv1_mode() != 0 && g_sm_count > 0 && w.k > 0 && w.k <= kMaxK && n_out > 0 && n_out % 32 == 0 &&
+         n_out <= w.rows && n_out <= kMaxK;
+}
+
+bool matvec1_norm(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool accumulate, const float* d_norm_w,
+                  ActBuf& out, double* d_part, Stream stream) {
+  if (!norm_fold_fits(w, n_out)) return false;
+  MERLIN_CHECK(out.kind == ActKind::Q8_0 && out.k == n_out && out.n_cap >= 1 && out.q && out.scale && d_part && d_norm_w,
+               "matvec1_norm: the output must be a Q8_0 row of ", n_out, " elements");
+  Extra e;
+  e.norm_w = d_norm_w;
+  e.norm_out = &out;
+  e.norm_part = d_part;
+  return dispatch(w, x, d_y, n_out, accumulate, stream, e);
 }
 
 void set_matvec1_split(int lsplit) { g_split_override = lsplit; }

@@ -57,6 +57,11 @@ struct ActBuf {
   // F16/BF16: hi and lo in the m16n8k16 B-operand order (frag_half_index), rows padded to 32 columns.
   uint16_t* fhi = nullptr;
   uint16_t* flo = nullptr;
+  // A Q8_0 row written by matvec1_norm: its block scales still lack the row's RMSNorm factor, which a reader
+  // (the single-token products only) computes from these per-block sums of squares and rms_eps. Null in
+  // buffers prep_act fills; set only on the copy of the ActBuf handed to the reader.
+  const double* rms_part = nullptr;
+  float rms_eps = 0;
 };
 ActBuf act_alloc(ActKind kind, int64_t k, int n_cap);
 void act_free(ActBuf& a);
@@ -120,6 +125,19 @@ void matmul_prep(const Matrix& w, const PrepArgs& prep, ActBuf& x, int n, float*
 // where it does not.
 bool swiglu_fuses(const Matrix& w, int64_t ffn, int64_t up_row, ActKind out);
 bool matvec1_swiglu(const Matrix& w, const ActBuf& x, int64_t ffn, int64_t up_row, ActBuf& out, Stream stream);
+// One token through w (y (+)= W x, as matmul() with n == 1) whose epilogue also writes the next RMSNorm's
+// input for a single-token reader of Q8_0 rows, so that no RMSNorm kernel runs between the two products:
+// per block of 32 outputs, out's codes of y * d_norm_w with that block's own scale (amax / 127, unrounded,
+// lacking the factor 1 / rms(y) that is not known until every block is done), and the block's sum of y^2 in
+// d_part (n_out / 32 doubles). The reader gets a copy of out with rms_part = d_part and rms_eps = the norm's
+// epsilon; it scales the staged block scales by 1 / rms(y) and rounds them to half as prep_act does. The
+// codes are those of the same values times a common factor, so the reader sees what prep_act(RmsNorm) then
+// matmul would up to float rounding (a code differs only at a rounding tie; tested with a bound).
+// norm_fold_fits says whether it applies (quantized rows, n_out % 32 == 0); matvec1_norm returns false
+// (nothing queued) where it does not.
+bool norm_fold_fits(const Matrix& w, int64_t n_out);
+bool matvec1_norm(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool accumulate, const float* d_norm_w,
+                  ActBuf& out, double* d_part, Stream stream);
 // Tests: forces log2 of the warps per tile of the single-token products (clamped per variant); -1 restores
 // the per-matrix choice.
 void set_matvec1_split(int lsplit);

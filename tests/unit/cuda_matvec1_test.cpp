@@ -1,0 +1,217 @@
+// The single-token products' epilogues (matvec1.cu) against the separate kernels they replace: SwiGLU of a
+// stacked gate/up product (bit-identical), and the next RMSNorm's input written by the product that adds to
+// the residual row (matvec1_norm: a deferred scale, equal up to float rounding). Skips without a GPU.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "kernels/cuda/cuda_api.h"
+#include "kernels/cuda/ops.h"
+#include "cuda_test_util.h"
+#include "quant_test_util.h"
+
+using namespace merlin;
+namespace cu = merlin::cuda;
+
+namespace {
+
+#define REQUIRE_GPU() MERLIN_REQUIRE_GPU()
+
+using test::DevFloats;
+using test::gaussian;
+using test::max_abs;
+using test::random_matrix;
+
+cu::Matrix upload_one(DType t, const std::vector<uint8_t>& w, int64_t rows, int64_t k) {
+  const cu::MatrixPart part{t, w.data(), rows, k, dtype_row_bytes(t, (uint64_t)k)};
+  return cu::upload_matrix(&part, 1, nullptr);
+}
+
+float half_round(float v) { return fp16_to_f32(f32_to_fp16(v)); }
+
+}  // namespace
+
+// One token through a stacked [gate; up] matrix with the SwiGLU in the product's epilogue (matvec1_swiglu)
+// gives exactly the bits of the product followed by prep_act(SwiGlu), in every output format, for both
+// group sizes of the quantized kernel (16 or 8 warps' worth of tiles: S = 1, 2), with a partial last group
+// (ffn = 96: 6 output tiles) and rows long enough for several rounds per warp; F16/BF16 matrices (a warp
+// per gate/up row pair) also with a padded ffn (40 rows of 48).
+TEST(CudaMatvec1, SwiGluEpilogueMatchesSeparateKernel) {
+  REQUIRE_GPU();
+  struct Shape { int64_t ffn, k; };
+  for (DType t : {DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::Q4_K, DType::TQ2_0, DType::F16, DType::BF16})
+  for (const Shape s : {Shape{96, 768}, Shape{2048, 768}, Shape{1056, 4096}, Shape{40, 256}}) {
+    const bool half = t == DType::F16 || t == DType::BF16;
+    if (!half && s.ffn % 32 != 0) continue;
+    const int64_t up = cu::padded_rows(s.ffn);
+    const std::vector<uint8_t> g = random_matrix(t, s.ffn, s.k, 31), u = random_matrix(t, s.ffn, s.k, 32);
+    const size_t rb = dtype_row_bytes(t, (uint64_t)s.k);
+    const cu::MatrixPart parts[2] = {{t, g.data(), s.ffn, s.k, rb}, {t, u.data(), s.ffn, s.k, rb}};
+    cu::Matrix m = cu::upload_matrix(parts, 2, nullptr);
+    cu::ActBuf a = cu::act_alloc(m.act(), s.k, 1);
+    DevFloats dx(gaussian((size_t)s.k, 33, 2.0f)), dy(std::vector<float>((size_t)m.rows, 0.0f));
+    cu::PrepArgs p;
+    p.d_x = dx.p;
+    p.ld = s.k;
+    cu::prep_act(p, 1, a, nullptr);
+    for (cu::ActKind kind : {cu::ActKind::Q8_0, cu::ActKind::F16, cu::ActKind::BF16, cu::ActKind::F32})
+    for (int ls : {0, 1}) {
+      if (half && (kind == cu::ActKind::Q8_0 || ls == 1)) continue;  // halves emit element by element
+      SCOPED_TRACE(std::string(dtype_name(t)) + " ffn " + std::to_string(s.ffn) + " k " + std::to_string(s.k) +
+                   " kind " + std::to_string((int)kind) + " lsplit " + std::to_string(ls));
+      cu::set_matvec1_split(ls);
+      ASSERT_TRUE(cu::swiglu_fuses(m, s.ffn, up, kind));
+      cu::ActBuf want = cu::act_alloc(kind, s.ffn, 1), got = cu::act_alloc(kind, s.ffn, 1);
+      cu::matmul(m, a, 1, dy.p, m.rows, m.rows, false, nullptr);
+      const cu::PrepArgs glu{cu::Prep::SwiGlu, dy.p, m.rows, nullptr, 0, up, nullptr};
+      cu::prep_act(glu, 1, want, nullptr);
+      ASSERT_TRUE(cu::matvec1_swiglu(m, a, s.ffn, up, got, nullptr));
+      cu::sync_device();
+      cu::set_matvec1_split(-1);
+      auto same = [&](const auto* w, const auto* gt, size_t n, const char* plane) {
+        if (!w) return;
+        using T = std::remove_cv_t<std::remove_pointer_t<decltype(w)>>;
+        const auto hw = test::download(w, n), hg = test::download(gt, n);
+        EXPECT_EQ(std::memcmp(hw.data(), hg.data(), n * sizeof(T)), 0) << plane;
+      };
+      const size_t n = (size_t)s.ffn, nf = 8 * (size_t)s.ffn;
+      same(want.f, got.f, n, "f");
+      same(want.q, got.q, n, "q");
+      same(want.scale, got.scale, n / 32, "scale");
+      same(want.sum, got.sum, n / 32, "sum");
+      same(want.fq, got.fq, nf, "fq");
+      same(want.fs, got.fs, nf / 32, "fs");
+      same(want.fsum, got.fsum, nf / 32, "fsum");
+      same(want.hi, got.hi, n, "hi");
+      same(want.lo, got.lo, n, "lo");
+      same(want.fhi, got.fhi, nf, "fhi");
+      same(want.flo, got.flo, nf, "flo");
+      if (kind == cu::ActKind::F32) {
+        EXPECT_GT(max_abs(test::download(got.f, n)), 0.0f);
+      }
+      cu::act_free(want);
+      cu::act_free(got);
+    }
+    EXPECT_FALSE(cu::swiglu_fuses(m, s.ffn, up, cu::ActKind::Q8_K));
+    if (half) {
+      EXPECT_FALSE(cu::swiglu_fuses(m, s.ffn, up, cu::ActKind::Q8_0));
+    }
+    cu::act_free(a);
+    cu::free_matrix(m);
+  }
+}
+
+// One token through a product that adds to the residual row (Wo, down) with the next RMSNorm's input written
+// in its epilogue (matvec1_norm), against the same product followed by prep_act(RmsNorm), for each producer
+// format and every split the epilogue allows (S = 2, 4, 8 warps per tile), on base-, macbook-shaped and a partial-group
+// shape. The residual rows are bit-identical (same split, same sums). The folded row holds the codes of
+// y * w with a block scale lacking 1 / rms(y): after the reader's correction (scale * 1 / rms, rounded to
+// half) the block scales must equal prep_act's (but for one just at a rounding boundary) and the codes may differ only at a rounding tie (by 1, in at
+// most 1 of 1,000 elements); a reader of each Q8_0-input format must then agree with the separate path to
+// 1e-3 of its largest output (a flipped code moves one element by 1/127 of its block's largest value).
+TEST(CudaMatvec1, NormEpilogueMatchesSeparateKernel) {
+  REQUIRE_GPU();
+  struct Shape { int64_t n, k; };
+  const float eps = 1e-5f;
+  for (DType t : {DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::Q4_K, DType::TQ2_0})
+  for (const Shape s : {Shape{768, 768}, Shape{768, 2048}, Shape{4096, 4096}, Shape{96, 256}}) {
+    const std::vector<uint8_t> w = random_matrix(t, s.n, s.k, 41);
+    cu::Matrix m = upload_one(t, w, s.n, s.k);
+    ASSERT_TRUE(cu::norm_fold_fits(m, s.n));
+    cu::ActBuf a = cu::act_alloc(m.act(), s.k, 1);
+    DevFloats dx(gaussian((size_t)s.k, 42, 2.0f));
+    cu::PrepArgs plain;
+    plain.d_x = dx.p;
+    plain.ld = s.k;
+    cu::prep_act(plain, 1, a, nullptr);
+    const std::vector<float> y0 = gaussian((size_t)s.n, 43, 3.0f);
+    std::vector<float> nw = gaussian((size_t)s.n, 44, 0.3f);
+    for (float& v : nw) v += 1.0f;
+    DevFloats dnw(nw);
+    double* part = static_cast<double*>(cu::dev_alloc((size_t)s.n / 32 * sizeof(double)));
+    for (int ls : {1, 2, 3}) {
+      SCOPED_TRACE(std::string(dtype_name(t)) + " n " + std::to_string(s.n) + " k " + std::to_string(s.k) +
+                   " lsplit " + std::to_string(ls));
+      cu::set_matvec1_split(ls);
+      DevFloats want_y(y0), got_y(y0);
+      // got has room for 2 rows, so that the 2-token read below fails on the deferred norm, not the row count.
+      cu::ActBuf want = cu::act_alloc(cu::ActKind::Q8_0, s.n, 1), got = cu::act_alloc(cu::ActKind::Q8_0, s.n, 2);
+      cu::matmul(m, a, 1, want_y.p, s.n, s.n, true, nullptr);
+      const cu::PrepArgs norm{cu::Prep::RmsNorm, want_y.p, s.n, dnw.p, eps, 0, nullptr};
+      cu::prep_act(norm, 1, want, nullptr);
+      ASSERT_TRUE(cu::matvec1_norm(m, a, got_y.p, s.n, true, dnw.p, got, part, nullptr));
+      cu::sync_device();
+      cu::set_matvec1_split(-1);
+      const std::vector<float> yw = test::download(want_y.p, (size_t)s.n), yg = test::download(got_y.p, (size_t)s.n);
+      EXPECT_EQ(std::memcmp(yw.data(), yg.data(), yw.size() * sizeof(float)), 0) << "residual rows";
+
+      // The folded row on the host: the reader's scale correction, then codes and scales against prep_act's.
+      const std::vector<double> ss = test::download(part, (size_t)s.n / 32);
+      double sum = 0, host = 0;
+      for (double v : ss) sum += v;
+      for (float v : yw) host += (double)v * v;
+      EXPECT_NEAR(sum, host, 1e-12 * host);
+      const float inv_rms = 1.0f / std::sqrt((float)(sum / (double)s.n) + eps);
+      const std::vector<float> ws = test::download(want.scale, (size_t)s.n / 32), gs = test::download(got.scale, (size_t)s.n / 32);
+      int scale_diff = 0;
+      for (size_t b = 0; b < ws.size(); ++b) scale_diff += half_round(gs[b] * inv_rms) != ws[b];
+      EXPECT_LE(scale_diff, 1);  // a scale within an ulp of a half rounding boundary
+      const std::vector<int8_t> wq = test::download(want.q, (size_t)s.n), gq = test::download(got.q, (size_t)s.n);
+      int code_diff = 0, worst = 0;
+      for (size_t i = 0; i < wq.size(); ++i) {
+        code_diff += wq[i] != gq[i];
+        worst = std::max(worst, std::abs(wq[i] - gq[i]));
+      }
+      EXPECT_LE(worst, 1);
+      EXPECT_LE(code_diff, (int)(s.n / 1000));
+
+      // Readers of the folded row against readers of prep_act's.
+      cu::ActBuf folded = got;
+      folded.rms_part = part;
+      folded.rms_eps = eps;
+      for (DType rt : {DType::Q8_0, DType::Q4_0, DType::MXFP4}) {
+        const int64_t rows = 272;
+        const std::vector<uint8_t> rw = random_matrix(rt, rows, s.n, 45);
+        cu::Matrix r = upload_one(rt, rw, rows, s.n);
+        DevFloats zw(std::vector<float>((size_t)rows, 0.0f)), zg(std::vector<float>((size_t)rows, 0.0f));
+        cu::matmul(r, want, 1, zw.p, rows, rows, false, nullptr);
+        cu::matmul(r, folded, 1, zg.p, rows, rows, false, nullptr);
+        const std::vector<float> hw = test::download(zw.p, (size_t)rows), hg = test::download(zg.p, (size_t)rows);
+        float diff = 0;
+        for (size_t i = 0; i < hw.size(); ++i) diff = std::max(diff, std::fabs(hw[i] - hg[i]));
+        EXPECT_GT(max_abs(hw), 0.0f);
+        EXPECT_LE(diff, 1e-3f * max_abs(hw)) << "reader " << dtype_name(rt);
+        if (code_diff == 0 && scale_diff == 0) {
+          EXPECT_LE(diff, 1e-6f * max_abs(hw)) << "reader " << dtype_name(rt);
+        }
+        // A deferred row is for single-token products only.
+        if (rt == DType::Q4_0) {
+          EXPECT_THROW(cu::matmul(r, folded, 2, zg.p, rows, rows, false, nullptr), Error);
+        }
+        cu::free_matrix(r);
+      }
+      cu::act_free(want);
+      cu::act_free(got);
+    }
+    cu::dev_free(part);
+    cu::act_free(a);
+    cu::free_matrix(m);
+  }
+}
+
+// Where the epilogue cannot apply it says so and queues nothing: F16/BF16 rows, outputs not in whole blocks.
+TEST(CudaMatvec1, NormEpilogueRefusesWhatItCannotDo) {
+  REQUIRE_GPU();
+  const std::vector<uint8_t> h = random_matrix(DType::F16, 64, 64, 1), q = random_matrix(DType::Q4_0, 80, 64, 2);
+  cu::Matrix mh = upload_one(DType::F16, h, 64, 64), mq = upload_one(DType::Q4_0, q, 80, 64);
+  EXPECT_FALSE(cu::norm_fold_fits(mh, 64));
+  EXPECT_FALSE(cu::norm_fold_fits(mq, 80));  // 80 % 32 != 0
+  EXPECT_TRUE(cu::norm_fold_fits(mq, 64));
+  cu::free_matrix(mh);
+  cu::free_matrix(mq);
+}
