@@ -579,11 +579,14 @@ void CudaBackend::enqueue(int n, int n_out, Output out) {
     const bool glu_done = n == 1 && run_gate_up_swiglu(L, norm2, ffn_off, ffn_in);
     if (!glu_done) run_linear(L.gate_up, norm2, n, gu_, gu_ld, gu_ld, false, false, ffn_in);
     cuda::PrepArgs glu{cuda::Prep::SwiGlu, gu_, gu_ld, nullptr, 0, ffn_off, nullptr};
-    attn_folded = run_residual(L.down, glu, n, glu_done, next ? next->attn_norm : nullptr, next ? &next->qkv : nullptr);
+    // The last layer's down product may prepare the head's input (a one-token step wanting its one row).
+    const bool to_head = !next && n_out == 1;
+    attn_folded = run_residual(L.down, glu, n, glu_done, next ? next->attn_norm : to_head ? out_norm_ : nullptr,
+                               next ? &next->qkv : to_head ? &head_ : nullptr);
   }
   if (n_out > 0) {
     cuda::PrepArgs fin{cuda::Prep::RmsNorm, x_, c_.dim, out_norm_, c_.norm_eps, 0, rows};
-    run_linear(head_, fin, n_out, logits_, c_.vocab_size, c_.vocab_size, false);
+    run_linear(head_, fin, n_out, logits_, c_.vocab_size, c_.vocab_size, false, false, attn_folded ? &folded : nullptr);
     if (out == Output::GreedyIds) {
       cuda::argmax_rows(logits_, c_.vocab_size, n_out, c_.vocab_size, d_ids_, stream_);
       MERLIN_CUDA_CHECK(cudaMemcpyAsync(h_ids_, d_ids_, (size_t)n_out * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));

@@ -799,7 +799,8 @@ bool matvec1_rope_kv(const Matrix& w, const ActBuf& x, float* d_qkv, const RopeK
 // The split the plain product of w picks (choose_split). The SwiGLU epilogue needs S <= 2; where the plain
 // product splits k over more warps (short rows: base's k = 768), forcing S = 2 made the step slower than
 // the separate SwiGLU kernel (H200, base q8_0 tg128 3,785 -> 3,438 t/s), so the epilogue is used only
-// where it costs the product nothing.
+// where it costs the product nothing. Keeping S = 4 in 16-warp CTAs (as the Norm variant does) was slower
+// too: base q4_0 4,349 -> 3,977 t/s, mxfp4 3,591 -> 3,216 (half as many SMs busy; tenth session).
 static int plain_split(const Matrix& w) {
   const Geometry geo = geometry(w.fmt, w.rows, w.k);
   Mv1Args p{};
