@@ -72,6 +72,20 @@ __device__ __forceinline__ void put_block(ActBuf& o, int t, int64_t block, float
   }
 }
 
+// Q8_0 of one block of 32 held one element per lane: the block's max |v| (amax) and this lane's code, as the CPU
+// quantizes (shared with matvec1.cu's RMSNorm epilogue, which scales the block differently afterwards).
+__device__ __forceinline__ int warp_q8_0(float v, float& amax) {
+  amax = warp_max(fabsf(v));
+  const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+  return __float2int_rn(v * id);
+}
+
+// 1 / rms of a row of k elements from its sum of squares (in double, as the CPU reference sums).
+__device__ __forceinline__ float inv_rms(double sum_sq, int64_t k, float eps) {
+  const float mean = (float)(sum_sq / (double)k);
+  return 1.0f / sqrtf(mean + eps);
+}
+
 // Writes element i (valid: i < k) of row t in the buffer's format. All threads of the CTA call it together.
 template <int Kind>
 __device__ void emit(float v, bool valid, int t, int64_t i, ActBuf& o) {
@@ -91,9 +105,8 @@ __device__ void emit(float v, bool valid, int t, int64_t i, ActBuf& o) {
     }
   } else if constexpr (Kind == (int)ActKind::Q8_0) {
     if (valid) {  // k % 32 == 0, so a warp is all valid or all not
-      const float amax = warp_max(fabsf(v));
-      const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
-      const int q = __float2int_rn(v * id);
+      float amax;
+      const int q = warp_q8_0(v, amax);
       put_code(o, t, i, q);
       const int s = warp_sum_int(q);
       if ((threadIdx.x & 31) == 0) put_block(o, t, i / 32, round_to_half(amax / 127.0f), s);
@@ -135,9 +148,7 @@ __device__ __forceinline__ float row_scale(const PrepArgs& p, const float* x, in
   if constexpr (Mode == (int)Prep::RmsNorm) {
     double ss = 0.0;  // in double, as the CPU reference (ggml) sums
     for (int64_t i = threadIdx.x; i < k; i += kPrepThreads) ss += (double)x[i] * (double)x[i];
-    ss = block_sum_double(ss, sh);
-    const float mean = (float)(ss / (double)k);
-    return 1.0f / sqrtf(mean + p.eps);
+    return inv_rms(block_sum_double(ss, sh), k, p.eps);
   } else {
     return 1.0f;
   }

@@ -313,7 +313,7 @@ __device__ __forceinline__ float deferred_rms(const Mv1Args& p) {
   double ss = 0.0;
   for (int i = lane; i < kb; i += 32) ss += p.rms_part[i];
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  return 1.0f / sqrtf((float)(ss / (double)p.k) + p.rms_eps);
+  return inv_rms(ss, p.k, p.rms_eps);
 }
 
 // Only formats that read Q8_0 rows (Q4_K and TQ2_0 read Q8_K: the host never defers their norm, and the
@@ -377,10 +377,8 @@ struct Cursor {
 // multiplies the scale by 1 / rms when it stages the row (deferred_rms): up to rounding, what prep_act's
 // RMSNorm gives (the codes are those of the same values times a common factor).
 __device__ __forceinline__ void emit_norm(const Mv1Args& p, int64_t row, float y, float w) {
-  const float v = __fmul_rn(y, w);
-  const float amax = warp_max(fabsf(v));
-  const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
-  const int q = __float2int_rn(v * id);
+  float amax;
+  const int q = warp_q8_0(__fmul_rn(y, w), amax);
   p.norm_out.q[row] = (int8_t)q;
   const int sum = warp_sum_int(q);
   double ss = (double)y * (double)y;
