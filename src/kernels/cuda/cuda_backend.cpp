@@ -12,6 +12,10 @@
 //               x += act(silu(g) * u) · Wd
 //   logits = act(rmsnorm(x[rows wanted])) · Wout
 //
+// One-token steps fold steps into products where the product can do them without extra round trips: RoPE
+// and the K/V write into the QKV product, SwiGLU into the gate/up product (long rows), the next RMSNorm into
+// Wo and down (a deferred scale the reader applies: run_residual), and attention writes Wo's input.
+//
 // Decode-sized batches (up to kGraphMaxTokens tokens) run as a CUDA graph captured once per (tokens,
 // logits rows) shape and replayed; tokens, positions, sequences and rows travel through fixed device
 // buffers that the graph's first nodes fill from pinned host memory. MERLIN_CUDA_GRAPHS=0 turns graphs off.
