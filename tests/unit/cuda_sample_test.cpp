@@ -80,6 +80,22 @@ std::vector<int32_t> run_sample_rows(float* d_logits, int64_t ld, int rows, int6
   return got;
 }
 
+// The host rows h (rows x n) sampled on the device with slices (d_work), spec and optional adjustments uploaded
+// for the call and freed after it; n_more: the rows sample_rows left to sample_rows_more.
+std::vector<int32_t> sample_on_device(const std::vector<float>& h, int64_t n, int rows,
+                                      const std::vector<RowSampling>& spec, const std::vector<LogitAdjust>* adjust,
+                                      int* n_more) {
+  auto* d_spec = test::upload(spec);
+  auto* d_adj = adjust ? test::upload(*adjust) : nullptr;
+  auto* d_out = static_cast<int32_t*>(cu::dev_alloc(rows * sizeof(int32_t)));
+  void* d_work = cu::dev_alloc(cu::sample_rows_work_bytes(rows, n));
+  DevFloats d_logits(h);
+  const std::vector<int32_t> got = run_sample_rows(d_logits.p, n, rows, n, d_spec, d_adj, d_out, d_work, n_more);
+  for (void* p : {static_cast<void*>(d_spec), static_cast<void*>(d_adj), static_cast<void*>(d_out), d_work})
+    cu::dev_free(p);
+  return got;
+}
+
 // Sampling on the device (sample_rows) against runtime's sample_row on the host for the same logits and
 // uniforms, with one CTA per row and with rows cut into slices (the backend's default): greedy and tempered
 // rows, top-k / top-p / min-p alone and chained, biases and penalties (entries of other rows in between, ids
@@ -205,7 +221,6 @@ TEST(CudaSample, SampleRowsSlicedDrawsAtSliceBorders) {
     seen.insert(got[r]);
   }
   EXPECT_EQ(seen, (std::set<int32_t>{2047, 2048, 5000, (int32_t)(n - 1)}));
-  for (void* p : {static_cast<void*>(d_spec), static_cast<void*>(d_out), d_work}) cu::dev_free(p);
 }
 
 // The sliced path keeps up to 4096 candidates on the device, where one CTA per row stops at 1024 (-1, the
@@ -230,18 +245,13 @@ TEST(CudaSample, SampleRowsSlicedKeepsLargeCandidateSets) {
       default: spec[r].top_k = 3000; break;     // above one CTA's 1024 candidates
     }
   }
-  auto* d_spec = test::upload(spec);
-  auto* d_out = static_cast<int32_t*>(cu::dev_alloc(rows * sizeof(int32_t)));
-  void* d_work = cu::dev_alloc(cu::sample_rows_work_bytes(rows, n));
-  DevFloats d_logits(h);
   int n_more = 0;
-  const std::vector<int32_t> got = run_sample_rows(d_logits.p, n, rows, n, d_spec, nullptr, d_out, d_work, &n_more);
+  const std::vector<int32_t> got = sample_on_device(h, n, rows, spec, nullptr, &n_more);
   EXPECT_EQ(n_more, 0);  // merged candidates suffice
   SampleScratch work;
   for (int r = 0; r < rows; ++r)
     EXPECT_EQ(got[r], sample_row(h.data() + (size_t)r * n, n, spec[r], nullptr, work))
         << "row " << r << " top_k " << spec[r].top_k << " top_p " << spec[r].top_p << " min_p " << spec[r].min_p;
-  for (void* p : {static_cast<void*>(d_spec), static_cast<void*>(d_out), d_work}) cu::dev_free(p);
 }
 
 // Filters without top-k that keep more tokens than the merged candidates (top-p alone and min-p on flat
@@ -277,13 +287,8 @@ TEST(CudaSample, SampleRowsMoreDrawsFromLargeNuclei) {
       }
       spec[r].n_adjust = (int32_t)adjust.size() - spec[r].first;
     }
-    auto* d_spec = test::upload(spec);
-    auto* d_adj = test::upload(adjust);
-    auto* d_out = static_cast<int32_t*>(cu::dev_alloc(rows * sizeof(int32_t)));
-    void* d_work = cu::dev_alloc(cu::sample_rows_work_bytes(rows, n));
-    DevFloats d_logits(h);
     int n_more = 0;
-    const std::vector<int32_t> got = run_sample_rows(d_logits.p, n, rows, n, d_spec, d_adj, d_out, d_work, &n_more);
+    const std::vector<int32_t> got = sample_on_device(h, n, rows, spec, &adjust, &n_more);
     if (n > 10000) {
       EXPECT_GE(n_more, rows / 2);  // the path under test ran
     }
@@ -296,7 +301,5 @@ TEST(CudaSample, SampleRowsMoreDrawsFromLargeNuclei) {
       picks.insert(got[r]);
     }
     EXPECT_GE(picks.size(), (size_t)rows - 4);  // flat rows: the draws spread
-    for (void* p : {static_cast<void*>(d_spec), static_cast<void*>(d_adj), static_cast<void*>(d_out), d_work})
-      cu::dev_free(p);
   }
 }
