@@ -10,7 +10,8 @@
 #   SETTINGS=";MERLIN_CUDA_GEMM_MIN=0;MERLIN_CUDA_NT4_CAP=0"  (defaults, no cuBLAS, uncapped 32-token product)
 # Unset or empty: ";MERLIN_CUDA_GEMM_MIN=0". SETTINGS=";" runs the defaults only.
 # BASE_TYPES (default "f16 q4_0"), MACBOOK_TYPES (default "q4_0"), TESTS=0 skips the tests, MATVEC=0 the
-# microbenchmark, KEEP_MODELS=1 keeps the model files in MODEL_DIR for the next call (and reuses them).
+# microbenchmark, PP (default 512) the prefill length (0: none), BATCHES (default 1,32) the decode batch sizes,
+# KEEP_MODELS=1 keeps the model files in MODEL_DIR for the next call (and reuses them).
 set -u
 BIN=$(realpath "${1:-build-gpu}")
 source "$(dirname "$0")/gpu_env.sh"
@@ -23,7 +24,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   grep -E "FAILED|Failure|^\[ (logits|gemm|flash) " "$OUT/tests.log" | head -80
 fi
 [ "${MATVEC:-1}" = 1 ] && "$BIN/cuda_matvec" | tee "$OUT/matvec.md"
-B="$BIN/merlin bench --device cuda -p 512 -n 128 -r ${REPS:-2} --decode-batches 1,32"
+B="$BIN/merlin bench --device cuda -p ${PP:-512} -n 128 -r ${REPS:-2} --decode-batches ${BATCHES:-1,32}"
 run_settings() {  # run_settings MODEL LABEL
   for setting in "${settings[@]}"; do
     echo "== $2 ${setting:-defaults}"

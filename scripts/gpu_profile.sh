@@ -10,6 +10,7 @@
 # MODEL_DIR (default /tmp/merlin-models) unless there. BATCHES (default "1 32"): decode batch sizes, one
 # profile each. SETTINGS: extra environment for every run (e.g. "MERLIN_CUDA_ROPE_FUSE=0"). SKIP / COUNT:
 # kernels skipped (warm-up) and profiled per run (defaults 1500 / 560: about 5 decode steps of `base`).
+# GRID=1 keys the sum by kernel name and grid size (e.g. the head apart from the other products).
 # Results: $OUT (default ./gpu-results)/profile-x<batch>.csv and the summary on stdout.
 set -u
 BIN=$(realpath "${1:-build-gpu}")
@@ -21,18 +22,19 @@ M="$MODEL_DIR/base-$TYPE.gguf"
 [ -f "$M" ] || "$BIN/merlin" quantize -q "$MODEL_DIR/base-f32.gguf" "$M" "$TYPE" >/dev/null
 
 summarize() {  # summarize CSV STEPS: time per kernel name, largest first
-  python3 - "$1" <<'PY'
+  python3 - "$1" "${GRID:-0}" <<'PY'
 import csv, sys, collections
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
 if len(rows) < 2:
     print("no kernels profiled"); sys.exit()
 hdr = rows[0]
 ki, ui, vi = hdr.index("Kernel Name"), hdr.index("Metric Unit"), hdr.index("Metric Value")
+gi = hdr.index("Grid Size") if sys.argv[2] == "1" and "Grid Size" in hdr else -1
 scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
 tot, cnt = collections.defaultdict(float), collections.Counter()
 for r in rows[1:]:
     us = float(r[vi].replace(",", "")) * scale[r[ui]]
-    name = r[ki][:100]
+    name = r[ki][:100] if gi < 0 else f"{r[ki][:80]} grid {r[gi]}"
     tot[name] += us
     cnt[name] += 1
 total = sum(tot.values())

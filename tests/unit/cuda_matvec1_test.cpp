@@ -1,6 +1,7 @@
-// The single-token products' epilogues (matvec1.cu) against the separate kernels they replace: SwiGLU of a
-// stacked gate/up product (bit-identical), and the next RMSNorm's input written by the product that adds to
-// the residual row (matvec1_norm: a deferred scale, equal up to float rounding). Skips without a GPU.
+// The decode products' epilogues against the separate kernels they replace: SwiGLU of a stacked gate/up
+// product (matvec1.cu, bit-identical), and the next RMSNorm's input written by the product that adds to the
+// residual row (matvec1_norm for one token, matmul_norm for 2-32: a deferred scale, equal up to float
+// rounding). Skips without a GPU.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -33,6 +34,14 @@ cu::Matrix upload_one(DType t, const std::vector<uint8_t>& w, int64_t rows, int6
 }
 
 float half_round(float v) { return fp16_to_f32(f32_to_fp16(v)); }
+
+// Where element i / block b of row t lies in an ActBuf's fragment planes (act_impl.cuh's frag_code_index and
+// frag_scale_index, written out again here as the test's own reading of the layout).
+size_t frag_code(int t, int64_t i, int64_t k) {
+  const int j = (int)(i & 31), lane = (t & 7) * 4 + ((j & 15) >> 2);
+  return (size_t)((((int64_t)(t >> 3) * (k >> 5) + (i >> 5)) * 32 + lane) * 8 + (j >> 4) * 4 + (j & 3));
+}
+size_t frag_scale(int t, int64_t b, int64_t k) { return (size_t)(((int64_t)(t >> 3) * (k >> 5) + b) * 8 + (t & 7)); }
 
 }  // namespace
 
@@ -174,6 +183,7 @@ TEST(CudaMatvec1, NormEpilogueMatchesSeparateKernel) {
       cu::ActBuf folded = got;
       folded.rms_part = part;
       folded.rms_eps = eps;
+      folded.rms_rows = 1;
       for (DType rt : {DType::Q8_0, DType::Q4_0, DType::MXFP4}) {
         const int64_t rows = 272;
         const std::vector<uint8_t> rw = random_matrix(rt, rows, s.n, 45);
@@ -214,4 +224,126 @@ TEST(CudaMatvec1, NormEpilogueRefusesWhatItCannotDo) {
   EXPECT_TRUE(cu::norm_fold_fits(mq, 64));
   cu::free_matrix(mh);
   cu::free_matrix(mq);
+}
+
+// The same fold for decode-sized steps (matmul_norm): n tokens through the batched products, each token's
+// codes and unnormalised block scales in the fragment planes and its per-block sums of squares, for each
+// producer format (F16 too: the epilogue is the batched products' common one), token counts that take each
+// kernel (8, 16 and 32 tokens per CTA, partial groups of 8) and shapes of base, macbook and a partial tile
+// set. The producer keeps at most 4 warps per tile, so its residual rows may differ from matmul()'s in the
+// order of a row's partial sums (1e-5 of the largest); the corrected scales must equal prep_act's but for
+// those at a rounding boundary, codes differ at most by 1 at ties, and every batched reader that stages its
+// input (reads_deferred_norm) agrees with reading prep_act's rows to 2e-3 of its largest output (1e-3 for
+// one token: with 32 tokens two flipped codes can meet in one output, and MXFP4's random block scales make
+// a single weight dominate it).
+TEST(CudaMatmulNorm, EpilogueMatchesSeparateKernel) {
+  REQUIRE_GPU();
+  struct Shape { int64_t n, k; };
+  const float eps = 1e-5f;
+  for (DType t : {DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::Q4_K, DType::F16})
+  for (const Shape s : {Shape{768, 768}, Shape{768, 2048}, Shape{4096, 4096}, Shape{96, 256}})
+  for (int n : {2, 8, 13, 32}) {
+    if (s.n == 4096 && n == 13) continue;  // the large shape at the counts that pick distinct kernels only
+    SCOPED_TRACE(std::string(dtype_name(t)) + " n_out " + std::to_string(s.n) + " k " + std::to_string(s.k) +
+                 " tokens " + std::to_string(n));
+    const std::vector<uint8_t> w = random_matrix(t, s.n, s.k, 51);
+    cu::Matrix m = upload_one(t, w, s.n, s.k);
+    ASSERT_TRUE(cu::matmul_norm_fits(m, s.n, n));
+    cu::ActBuf a = cu::act_alloc(m.act(), s.k, n);
+    DevFloats dx(gaussian((size_t)n * s.k, 52, 2.0f));
+    cu::PrepArgs plain;
+    plain.d_x = dx.p;
+    plain.ld = s.k;
+    cu::prep_act(plain, n, a, nullptr);
+    const std::vector<float> y0 = gaussian((size_t)n * s.n, 53, 3.0f);
+    std::vector<float> nw = gaussian((size_t)s.n, 54, 0.3f);
+    for (float& v : nw) v += 1.0f;
+    DevFloats dnw(nw), want_y(y0), got_y(y0);
+    const int64_t kb = s.n / 32;
+    double* part = static_cast<double*>(cu::dev_alloc((size_t)n * kb * sizeof(double)));
+    cu::ActBuf want = cu::act_alloc(cu::ActKind::Q8_0, s.n, n), got = cu::act_alloc(cu::ActKind::Q8_0, s.n, n);
+    cu::matmul(m, a, n, want_y.p, s.n, s.n, true, nullptr);
+    const cu::PrepArgs norm{cu::Prep::RmsNorm, want_y.p, s.n, dnw.p, eps, 0, nullptr};
+    cu::prep_act(norm, n, want, nullptr);
+    ASSERT_TRUE(cu::matmul_norm(m, a, n, got_y.p, s.n, s.n, true, dnw.p, got, part, nullptr));
+    cu::sync_device();
+    const std::vector<float> yw = test::download(want_y.p, y0.size()), yg = test::download(got_y.p, y0.size());
+    float ydiff = 0;
+    for (size_t i = 0; i < yw.size(); ++i) ydiff = std::max(ydiff, std::fabs(yw[i] - yg[i]));
+    EXPECT_LE(ydiff, 1e-5f * max_abs(yw)) << "residual rows";
+
+    const std::vector<double> ss = test::download(part, (size_t)n * kb);
+    const size_t nf = (size_t)(n + 7) / 8 * 8 * s.n;
+    const std::vector<float> ws = test::download(want.fs, nf / 32), gs = test::download(got.fs, nf / 32);
+    const std::vector<int8_t> wq = test::download(want.fq, nf), gq = test::download(got.fq, nf);
+    int scale_diff = 0, code_diff = 0, worst = 0;
+    for (int tok = 0; tok < n; ++tok) {
+      double sum = 0, host = 0;
+      for (int64_t b = 0; b < kb; ++b) sum += ss[tok * kb + b];
+      for (int64_t i = 0; i < s.n; ++i) host += (double)yg[tok * s.n + i] * yg[tok * s.n + i];
+      EXPECT_NEAR(sum, host, 1e-12 * host) << "token " << tok;
+      const float inv_rms = 1.0f / std::sqrt((float)(sum / (double)s.n) + eps);
+      for (int64_t b = 0; b < kb; ++b)
+        scale_diff += half_round(gs[frag_scale(tok, b, s.n)] * inv_rms) != ws[frag_scale(tok, b, s.n)];
+      for (int64_t i = 0; i < s.n; ++i) {
+        const int d = std::abs(wq[frag_code(tok, i, s.n)] - gq[frag_code(tok, i, s.n)]);
+        code_diff += d != 0;
+        worst = std::max(worst, d);
+      }
+    }
+    EXPECT_LE(scale_diff, 1 + n * kb / 1000);
+    EXPECT_LE(worst, 1);
+    EXPECT_LE(code_diff, 1 + n * s.n / 1000);
+
+    cu::ActBuf folded = got;
+    folded.rms_part = part;
+    folded.rms_eps = eps;
+    folded.rms_rows = n;
+    for (DType rt : {DType::Q8_0, DType::Q4_0, DType::MXFP4}) {
+      const int64_t rows = 272;
+      const std::vector<uint8_t> rw = random_matrix(rt, rows, s.n, 55);
+      cu::Matrix r = upload_one(rt, rw, rows, s.n);
+      DevFloats zw(std::vector<float>((size_t)n * rows, 0.0f)), zg(std::vector<float>((size_t)n * rows, 0.0f));
+      cu::matmul(r, want, n, zw.p, rows, rows, false, nullptr);
+      if (!cu::reads_deferred_norm(r, n)) {  // its CTAs would read the unscaled rows from global memory
+        EXPECT_THROW(cu::matmul(r, folded, n, zg.p, rows, rows, false, nullptr), Error) << dtype_name(rt);
+        cu::free_matrix(r);
+        continue;
+      }
+      cu::matmul(r, folded, n, zg.p, rows, rows, false, nullptr);
+      EXPECT_THROW(cu::matmul(r, folded, n - 1, zg.p, rows, rows, false, nullptr), Error) << "a different token count";
+      const std::vector<float> hw = test::download(zw.p, (size_t)n * rows), hg = test::download(zg.p, (size_t)n * rows);
+      float diff = 0;
+      for (size_t i = 0; i < hw.size(); ++i) diff = std::max(diff, std::fabs(hw[i] - hg[i]));
+      EXPECT_GT(max_abs(hw), 0.0f);
+      EXPECT_LE(diff, 2e-3f * max_abs(hw)) << "reader " << dtype_name(rt);
+      cu::free_matrix(r);
+    }
+    cu::act_free(want);
+    cu::act_free(got);
+    cu::dev_free(part);
+    cu::act_free(a);
+    cu::free_matrix(m);
+  }
+}
+
+// Where the batched epilogue or its readers cannot apply they say so: F32 rows, one token, outputs not in
+// whole blocks; readers of Q8_K rows or of rows too long to stage.
+TEST(CudaMatmulNorm, RefusesWhatItCannotDo) {
+  REQUIRE_GPU();
+  const std::vector<uint8_t> f = random_matrix(DType::F32, 64, 64, 1), q = random_matrix(DType::Q4_0, 80, 64, 2),
+                             qk = random_matrix(DType::Q4_K, 64, 256, 3), big = random_matrix(DType::Q4_0, 2304, 4096, 4);
+  cu::Matrix mf = upload_one(DType::F32, f, 64, 64), mq = upload_one(DType::Q4_0, q, 80, 64),
+             mk = upload_one(DType::Q4_K, qk, 64, 256), mb = upload_one(DType::Q4_0, big, 2304, 4096);
+  EXPECT_FALSE(cu::matmul_norm_fits(mf, 64, 8));
+  EXPECT_FALSE(cu::matmul_norm_fits(mq, 80, 8));  // 80 % 32 != 0
+  EXPECT_FALSE(cu::matmul_norm_fits(mq, 64, 1));  // one token: matvec1_norm
+  EXPECT_TRUE(cu::matmul_norm_fits(mq, 64, 2));
+  EXPECT_TRUE(cu::reads_deferred_norm(mq, 32));
+  EXPECT_FALSE(cu::reads_deferred_norm(mq, 1));
+  EXPECT_FALSE(cu::reads_deferred_norm(mk, 8));   // reads Q8_K rows
+  EXPECT_TRUE(cu::reads_deferred_norm(mb, 8));
+  EXPECT_FALSE(cu::reads_deferred_norm(mb, 16));  // 16 or 32 rows of 4096 per CTA (144 tiles) do not fit
+  EXPECT_FALSE(cu::reads_deferred_norm(mb, 32));
+  for (cu::Matrix* m : {&mf, &mq, &mk, &mb}) cu::free_matrix(*m);
 }

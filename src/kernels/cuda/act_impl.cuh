@@ -86,6 +86,42 @@ __device__ __forceinline__ float inv_rms(double sum_sq, int64_t k, float eps) {
   return 1.0f / sqrtf(mean + eps);
 }
 
+// The next RMSNorm's input written by the product that adds to the residual row (matvec1_norm, matmul_norm),
+// for a block of 32 final rows y held one per lane, w the norm weight of the lane's row: the Q8_0 code of
+// y * w as emit() quantizes a block, but the block scale of y * w (amax / 127, unrounded), not of
+// y / rms(y) * w (the row's rms is not known until every block is done), plus the block's sum of code and
+// sum of y^2 (double). A reader multiplies the scale by deferred_inv_rms and rounds it to half when it stages
+// the row: up to rounding, what prep_act's RMSNorm gives (the codes are those of the same values times a
+// common factor). Warp-collective.
+struct NormBlock {
+  int q;         // this lane's code
+  float scale;   // the block's unnormalised scale
+  int sum;       // sum of the block's codes
+  double sum_sq; // sum of y^2 over the block
+};
+__device__ __forceinline__ NormBlock norm_block(float y, float w) {
+  NormBlock b;
+  float amax;
+  b.q = warp_q8_0(__fmul_rn(y, w), amax);
+  b.scale = amax / 127.0f;
+  b.sum = warp_sum_int(b.q);
+  double ss = (double)y * (double)y;
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  b.sum_sq = ss;
+  return b;
+}
+
+// 1 / rms of a row written with deferred scales, from its kb per-block sums of squares (norm_block's
+// sum_sq), summed in a fixed order (lane-strided, then a shuffle tree): every lane gets the same value.
+// Warp-collective.
+__device__ __forceinline__ float deferred_inv_rms(const double* part, int kb, int64_t k, float eps) {
+  const int lane = threadIdx.x & 31;
+  double ss = 0.0;
+  for (int i = lane; i < kb; i += 32) ss += part[i];
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  return inv_rms(ss, k, eps);
+}
+
 // Writes element i (valid: i < k) of row t in the buffer's format. All threads of the CTA call it together.
 template <int Kind>
 __device__ void emit(float v, bool valid, int t, int64_t i, ActBuf& o) {

@@ -12,9 +12,10 @@
 //               x += act(silu(g) * u) · Wd
 //   logits = act(rmsnorm(x[rows wanted])) · Wout
 //
-// One-token steps fold steps into products where the product can do them without extra round trips: RoPE
-// and the K/V write into the QKV product, SwiGLU into the gate/up product (long rows), the next RMSNorm into
-// Wo and down (a deferred scale the reader applies: run_residual), and attention writes Wo's input.
+// Decode steps fold steps into products where the product can do them without extra round trips: RoPE and
+// the K/V write into the QKV product, the next RMSNorm into Wo and down (a deferred scale the reader applies:
+// run_residual; one token, and decode-sized batches whose readers stage their input), SwiGLU into the
+// gate/up product (one token, long rows), and attention writes Wo's input.
 //
 // Decode-sized batches (up to kGraphMaxTokens tokens) run as a CUDA graph captured once per (tokens,
 // logits rows) shape and replayed; tokens, positions, sequences and rows travel through fixed device
@@ -138,7 +139,7 @@ class CudaBackend final : public Backend {
   void run_qkv(const Layer& L, const cuda::PrepArgs& norm, int n, const int32_t* pos, const int32_t* seq,
                const cuda::KvArgs& kv, const ActBuf* in);
   bool folds_norm(const Linear& producer, const Linear& reader, int n) const;
-  ActBuf folded_input() const;
+  ActBuf folded_input(int n) const;
   bool run_residual(const Linear& l, const cuda::PrepArgs& p, int n, bool prepared, const float* next_norm,
                     const Linear* reader);
   float* upload_floats(const std::vector<float>& v);
@@ -152,9 +153,13 @@ class CudaBackend final : public Backend {
   bool attn_emits_ = true;  // MERLIN_CUDA_ATTN_EMIT=0: a separate kernel quantizes the attention output
   bool rope_fuse_ = true;   // MERLIN_CUDA_ROPE_FUSE=0: one-token steps run rope_kv as its own kernel
   bool glu_fuse_ = true;    // MERLIN_CUDA_GLU_FUSE=0: one-token steps run SwiGLU as its own kernel
-  bool norm_fold_ = true;   // MERLIN_CUDA_NORM_FOLD=0: one-token steps run every RMSNorm as its own kernel
-  ActBuf norm_act_;         // the next RMSNorm's input as Wo / down write it (matvec1_norm), one row
-  double* norm_part_ = nullptr;  // its per-block sums of squares
+  bool norm_fold_ = true;   // MERLIN_CUDA_NORM_FOLD=0: every RMSNorm runs as its own kernel
+  // Steps of 2 .. norm_fold_mm_ tokens fold it too (MERLIN_CUDA_NORM_FOLD_MM=N, 0 .. 32). 8 by default: on the
+  // H200 base q4_0 x8 gained 5-8 %, while 16- and 32-token steps lost up to 4-5 % (the producer keeps at most 4
+  // warps per tile and the reader completes the scales after staging; docs/GPU.md).
+  int norm_fold_mm_ = 8;
+  ActBuf norm_act_;         // the next RMSNorm's input as Wo / down write it (matvec1_norm, matmul_norm)
+  double* norm_part_ = nullptr;  // its per-block sums of squares, [tokens][dim / 32]
   // Steps of at least gemm_min_ tokens run their products through cuBLAS (gemm.cu); 0: never.
   int gemm_min_ = 0;
   // Eager steps of at least flash_min_ tokens use the tiled attention kernel (flash_attention.cu); 0: never.
@@ -221,6 +226,7 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   rope_fuse_ = !env_is("MERLIN_CUDA_ROPE_FUSE", "0") && !kv_q8_;  // Q8_0 cache blocks are quantized by rope_kv
   glu_fuse_ = !env_is("MERLIN_CUDA_GLU_FUSE", "0");
   norm_fold_ = !env_is("MERLIN_CUDA_NORM_FOLD", "0") && c_.dim % 32 == 0;
+  if (const char* f = std::getenv("MERLIN_CUDA_NORM_FOLD_MM")) norm_fold_mm_ = std::clamp(std::atoi(f), 0, kGraphMaxTokens);
   split_attention_ = !env_is("MERLIN_CUDA_SPLITK", "0");
   // Prefill products: from 64 tokens on, dequantizing to halves and cuBLAS beat the batched tensor-core kernel,
   // which reads each weight once per 32 tokens (docs/GPU.md). MERLIN_CUDA_GEMM_MIN=0 keeps every step on it.
@@ -276,9 +282,10 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   }
   head_ = make_linear({&m_.output()}, stream_);
   out_norm_ = upload_floats(m_.output_norm());
-  if (norm_fold_) {  // a buffer of its own: Wo and down read the shared Q8_0 row of length dim
-    norm_act_ = cuda::act_alloc(ActKind::Q8_0, c_.dim, 1);
-    norm_part_ = dev_array<double>((size_t)c_.dim / 32);
+  if (norm_fold_) {  // a buffer of its own: Wo and down read the shared Q8_0 rows of length dim
+    const int rows = std::max(1, std::min(max_batch_, norm_fold_mm_));
+    norm_act_ = cuda::act_alloc(ActKind::Q8_0, c_.dim, rows);
+    norm_part_ = dev_array<double>((size_t)rows * c_.dim / 32);
   }
   const Weight& e = m_.token_embd();
   embd_ = cuda::dev_alloc((size_t)e.rows * e.row_bytes);
@@ -482,33 +489,40 @@ bool CudaBackend::run_gate_up_swiglu(const Layer& L, const cuda::PrepArgs& norm,
   return cuda::matvec1_swiglu(m, in ? *in : act(m.act(), m.k), c_.ffn_dim, ffn_off, act(kind, c_.ffn_dim), stream_);
 }
 
-// One-token steps: whether `producer` (Wo or down, which add to x_) can also write the RMSNorm input of
-// `reader` (gate/up, or the next layer's QKV), so that no RMSNorm kernel runs between them (matvec1_norm:
-// the reader's staged scales get 1 / rms(x) from per-block sums of squares; within rounding of the separate
-// kernel's result, not bit-identical). The reader must take Q8_0 rows through the single-token kernels.
+// Whether `producer` (Wo or down, which add to x_) can also write the RMSNorm input of `reader` (gate/up, or
+// the next layer's QKV), so that no RMSNorm kernel runs between them (matvec1_norm for one token,
+// matmul_norm for decode-sized steps: the reader's staged scales get 1 / rms(x) from per-block sums of
+// squares; within rounding of the separate kernel's result, not bit-identical). The reader must take Q8_0
+// rows through the single-token kernels, or through batched ones that stage them (reads_deferred_norm).
 bool CudaBackend::folds_norm(const Linear& producer, const Linear& reader, int n) const {
-  if (!norm_fold_ || n != 1 || fuse_prep_ || producer.mats.size() != 1 || use_gemm(producer, n) || use_gemm(reader, n))
+  if (!norm_fold_ || fuse_prep_ || producer.mats.size() != 1 || use_gemm(producer, n) || use_gemm(reader, n))
     return false;
-  for (const Matrix& m : reader.mats)
+  if (n > 1 && n > std::min(norm_fold_mm_, norm_act_.n_cap)) return false;
+  for (const Matrix& m : reader.mats) {
     if (m.act() != ActKind::Q8_0 || m.k != c_.dim) return false;
-  return cuda::norm_fold_fits(producer.mats[0], c_.dim);
+    if (n > 1 && !cuda::reads_deferred_norm(m, n)) return false;
+  }
+  return n == 1 ? cuda::norm_fold_fits(producer.mats[0], c_.dim) : cuda::matmul_norm_fits(producer.mats[0], c_.dim, n);
 }
 
-ActBuf CudaBackend::folded_input() const {
+ActBuf CudaBackend::folded_input(int n) const {
   ActBuf a = norm_act_;
   a.rms_part = norm_part_;
   a.rms_eps = c_.norm_eps;
+  a.rms_rows = n;
   return a;
 }
 
-// x_ += act(p) · l. With a reader (one-token steps, folds_norm), the product also writes the reader's input,
-// RMSNorm(x_) with weights next_norm, into norm_act_ and returns true: the reader takes folded_input().
+// x_ += act(p) · l. With a reader (folds_norm), the product also writes the reader's input, RMSNorm(x_) with
+// weights next_norm, into norm_act_ and returns true: the reader takes folded_input().
 bool CudaBackend::run_residual(const Linear& l, const cuda::PrepArgs& p, int n, bool prepared, const float* next_norm,
                                const Linear* reader) {
   if (reader && folds_norm(l, *reader, n)) {
     if (!prepared) prepare_inputs(p, l, n, false);
     const Matrix& m = l.mats[0];
-    if (cuda::matvec1_norm(m, act(m.act(), m.k), x_, c_.dim, true, next_norm, norm_act_, norm_part_, stream_))
+    const ActBuf& x = act(m.act(), m.k);
+    if (n == 1 ? cuda::matvec1_norm(m, x, x_, c_.dim, true, next_norm, norm_act_, norm_part_, stream_)
+               : cuda::matmul_norm(m, x, n, x_, c_.dim, c_.dim, true, next_norm, norm_act_, norm_part_, stream_))
       return true;
     prepared = true;
   }
@@ -561,7 +575,7 @@ void CudaBackend::enqueue(int n, int n_out, Output out) {
   const int hd = (int)c_.head_dim();
   const int64_t q_dim = c_.n_heads * hd, k_off = cuda::padded_rows(q_dim);
   const int64_t ffn_off = cuda::padded_rows(c_.ffn_dim);
-  const ActBuf folded = folded_input();
+  const ActBuf folded = folded_input(n);
   bool attn_folded = false;  // the previous layer's down product wrote this layer's QKV input (run_residual)
   for (size_t li = 0; li < layers_.size(); ++li) {
     const Layer& L = layers_[li];
@@ -583,8 +597,9 @@ void CudaBackend::enqueue(int n, int n_out, Output out) {
     const bool glu_done = n == 1 && run_gate_up_swiglu(L, norm2, ffn_off, ffn_in);
     if (!glu_done) run_linear(L.gate_up, norm2, n, gu_, gu_ld, gu_ld, false, false, ffn_in);
     cuda::PrepArgs glu{cuda::Prep::SwiGlu, gu_, gu_ld, nullptr, 0, ffn_off, nullptr};
-    // The last layer's down product may prepare the head's input (a one-token step wanting its one row).
-    const bool to_head = !next && n_out == 1;
+    // The last layer's down product may prepare the head's input (a one-token step wanting its one row; a
+    // batched head reads the rows it wants, not the step's tokens).
+    const bool to_head = !next && n == 1 && n_out == 1;
     attn_folded = run_residual(L.down, glu, n, glu_done, next ? next->attn_norm : to_head ? out_norm_ : nullptr,
                                next ? &next->qkv : to_head ? &head_ : nullptr);
   }

@@ -56,6 +56,12 @@ struct MmArgs {
   int split;  // warps sharing a tile's k (1, 2, 4 or 8): a CTA works on kWarps / split tiles at once
   int rope_on;  // 1: y is the stacked QKV product, finished by rope_store (matmul_rope_kv)
   RopeKvArgs rope;
+  const double* rms_part = nullptr;  // staged rows with a deferred RMSNorm (ActBuf::rms_part): [n][k / 32]
+  float rms_eps = 0;
+  int norm_on = 0;                   // 1: the epilogue also writes the next RMSNorm's input (matmul_norm)
+  const float* norm_w = nullptr;     // its weight per output row
+  ActBuf norm_out{};                 // its Q8_0 codes and unnormalised block scales (fragment planes)
+  double* norm_part = nullptr;       // per token and block of 32 outputs, the sum of y^2: [n][n_out / 32]
 };
 
 // The activations a CTA reads: the global buffers, or the CTA's own tokens staged in shared memory (from
@@ -268,6 +274,9 @@ __host__ __device__ constexpr int act_kind_of(int f) {
        : f == kQ4_K || f == kTQ2 ? (int)ActKind::Q8_K : (int)ActKind::Q8_0;
 }
 
+// Shared-memory bytes for the per-block sums of squares of nt staged tokens with a deferred RMSNorm.
+__host__ __device__ constexpr size_t deferred_part_bytes(int64_t k, int nt) { return (size_t)nt * (k / 32) * 8; }
+
 // Shared-memory views of the staged activations, laid out as the fragment planes of an ActBuf of nt rows
 // (what emit() writes).
 template <int F>
@@ -312,8 +321,31 @@ __device__ XView stage_prep(const MmArgs& p, int tb, int nt, uint8_t* sm) {
   return view_of(o, tb);
 }
 
+// Staged rows written with a deferred RMSNorm (matmul_norm, ActBuf::rms_part): each block scale times the
+// token's 1 / rms, rounded to half as prep_act rounds a block scale. A warp per token computes the factor
+// from the per-block sums of squares, which stage_x copied after the codes (`part`).
+__device__ void complete_deferred_norm(const MmArgs& p, int nt, const double* part, ActBuf& o) {
+  __shared__ float inv[32];  // tokens of a CTA: at most 8 * 4
+  const int kb = (int)(p.k / 32), warp = threadIdx.x >> 5;
+  for (int tl = warp; tl < nt; tl += kWarps) {
+    const float r = deferred_inv_rms(part + tl * kb, kb, p.k, p.rms_eps);
+    if ((threadIdx.x & 31) == 0) inv[tl] = r;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < nt * kb; i += blockDim.x) {
+    const int tl = i / kb;
+    float& d = o.fs[frag_scale_index(tl, i % kb, p.k)];
+    d = round_to_half(d * inv[tl]);
+  }
+  __syncthreads();
+}
+
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src)
                : "memory");
 }
 
@@ -342,10 +374,48 @@ __device__ XView stage_x(const MmArgs& p, int tb, int nt, uint8_t* sm) {
       cp_async16(o.fs + 4 * i, p.xfs + tb * kb + 4 * i);
       if constexpr (F == kQ4_K) cp_async16(o.fsum + 4 * i, p.xfsum + tb * kb + 4 * i);
     }
+    if (p.rms_part) {  // the tokens' sums of squares, after the staged planes (deferred_part_bytes)
+      double* part = reinterpret_cast<double*>(sm + staged_bytes(F, k, nt));
+      for (int64_t i = threadIdx.x; i < nt * kb; i += blockDim.x) cp_async8(part + i, p.rms_part + tb * kb + i);
+    }
   }
   asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
+  if constexpr (F == kQ8_0 || F == kQ4_0 || F == kMXFP4) {  // the formats that read Q8_0 rows
+    if (p.rms_part) complete_deferred_norm(p, nt, reinterpret_cast<const double*>(sm + staged_bytes(F, p.k, nt)), o);
+  }
   return view_of(o, tb);
+}
+
+// The Norm epilogue (matmul_norm) of a tile set: a warp per (token, block of 32 rows), lane = row, sums the
+// row's partials in reduce_tiles' order (the same y bits), adds it to the residual and writes the next
+// RMSNorm's input with a deferred scale (norm_block). split <= 4 (the host sees to it), so a set holds whole
+// blocks: kWarps / split >= 2 tiles from an even tile; n_out % 32 == 0, so a warp's rows are all valid or not.
+template <int NT>
+__device__ __forceinline__ void reduce_norm(const MmArgs& p, int64_t tile0, int tb, int warp, int lane,
+                                            float (*red)[NT * 4][32]) {
+  const int blocks = kWarps / p.split / 2, rr = lane & 15, grp_in = lane >> 4;
+  const int kb = (int)(p.n_out / 32);
+  for (int pr = warp; pr < 8 * NT * blocks; pr += kWarps) {
+    const int tl = pr / blocks, b = pr % blocks, grp = 2 * b + grp_in, tk = tl & 7;
+    const int64_t r = (tile0 + grp) * 16 + rr;
+    const int tok = tb + tl;
+    if (tok >= p.n || (tile0 + 2 * b) * 16 >= p.n_out) continue;  // warp-uniform
+    const int i = (tl >> 3) * 4 + 2 * (rr >> 3) + (tk & 1), ln = (rr & 7) * 4 + (tk >> 1);
+    float v = 0.f;
+    for (int w = grp * p.split; w < (grp + 1) * p.split; ++w) v += red[w][i][ln];
+    float* dst = p.y + (int64_t)tok * p.ldy + r;
+    const float y = p.accumulate ? *dst + v : v;
+    *dst = y;
+    const NormBlock nb = norm_block(y, __ldg(p.norm_w + r));
+    p.norm_out.fq[frag_code_index(tok, r, p.n_out)] = (int8_t)nb.q;
+    if (lane == 0) {
+      const int64_t f = frag_scale_index(tok, r / 32, p.n_out);
+      p.norm_out.fs[f] = nb.scale;
+      p.norm_out.fsum[f] = nb.sum;
+      p.norm_part[(int64_t)tok * kb + r / 32] = nb.sum_sq;
+    }
+  }
 }
 
 // Sums each group's partial tiles (split warps each) in a fixed order (deterministic) and writes (or adds)
@@ -358,6 +428,11 @@ __device__ __forceinline__ void reduce_tiles(const MmArgs& p, int64_t tile0, int
 #pragma unroll
     for (int i = 0; i < 4; ++i) red[warp][nt * 4 + i][lane] = acc[nt][i];
   __syncthreads();
+  if (p.norm_on) {
+    reduce_norm<NT>(p, tile0, tb, warp, lane, red);
+    __syncthreads();
+    return;
+  }
   constexpr int kPerTile = NT * 4 * 32;
   for (int e = threadIdx.x; e < kWarps / p.split * kPerTile; e += blockDim.x) {
     const int grp = e / kPerTile, i = e % kPerTile / 32, ln = e % 32;
@@ -524,17 +599,22 @@ bool exact_rounds(int f, int nt, const MmArgs& p) {
   return on && (nt < 4 || f == kQ4_K) && whole_rounds(f, p.n_chunks, p.n_steps, kRound);
 }
 
+// Most shared memory a CTA of the NT kernel may stage its activations in.
+size_t stage_limit(int nt) { return nt == 4 && nt4_capped() ? kStageMax[0] : kStageMax[nt_index(nt)]; }
+
 template <int F, int NT>
 void launch_nt(MmArgs p, Stream stream, int64_t tiles) {
   constexpr int ni = nt_index(NT);
   const bool capped = NT == 4 && nt4_capped();
-  const size_t stage_max = capped ? kStageMax[0] : kStageMax[ni];
-  const size_t staged = staged_bytes(F, p.k, std::min(8 * NT, p.n));
-  p.stage_x = staged <= stage_max ? 1 : 0;
+  const size_t staged = staged_bytes(F, p.k, std::min(8 * NT, p.n)) +
+                        (p.rms_part ? deferred_part_bytes(p.k, std::min(8 * NT, p.n)) : 0);
+  p.stage_x = staged <= stage_limit(NT) ? 1 : 0;
   MERLIN_CHECK(p.stage_x || !p.fuse_prep, "matmul: a fused preparation needs the activations in shared memory");
+  MERLIN_CHECK(p.stage_x || !p.rms_part, "matmul: a deferred RMSNorm needs the activations in shared memory");
   const bool x = exact_rounds(F, NT, p);
   const int64_t resident = (int64_t)g_sm_count * std::max(1, g_resident[F][capped ? 3 : ni][p.stage_x][x]);
   p.split = warps_per_tile(p.n_chunks, tiles, resident);
+  if (p.norm_on) p.split = std::min(p.split, 4);  // a tile set of >= 2 tiles holds whole blocks of 32 rows
   const int64_t sets = (tiles + kWarps / p.split - 1) / (kWarps / p.split);
   const dim3 grid((unsigned)std::min(sets, resident), (unsigned)((p.n + 8 * NT - 1) / (8 * NT)));
   constexpr bool kX = !half_fmt(F) && (NT < 4 || F == kQ4_K);  // X kernels built (exact_rounds)
@@ -563,11 +643,16 @@ int64_t small_split_tiles() {
   return per_sm * g_sm_count;
 }
 
+// Tokens per CTA (8 * NT) of an n-token product over a matrix of `tiles` tiles.
+int nt_for(int n, int64_t tiles) { return n <= 8 || tiles < small_split_tiles() ? 1 : n <= 16 ? 2 : 4; }
+
 template <int F>
 void launch_fmt(const MmArgs& p, Stream stream, int64_t tiles) {
-  if (p.n <= 8 || tiles < small_split_tiles()) launch_nt<F, 1>(p, stream, tiles);
-  else if (p.n <= 16) launch_nt<F, 2>(p, stream, tiles);
-  else launch_nt<F, 4>(p, stream, tiles);
+  switch (nt_for(p.n, tiles)) {
+    case 1: launch_nt<F, 1>(p, stream, tiles); break;
+    case 2: launch_nt<F, 2>(p, stream, tiles); break;
+    default: launch_nt<F, 4>(p, stream, tiles); break;
+  }
 }
 
 // Shared-memory limit and resident CTAs per SM of one kernel variant (index: nt index, or 3 = capped).
@@ -625,9 +710,12 @@ namespace {
 MmArgs product_args(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out_rows,
                     bool accumulate) {
   const Geometry geo = geometry(w.fmt, w.rows, w.k);
-  return MmArgs{w.q, w.s, w.k, geo.n_steps, geo.n_chunks, geo.n_super, x.fq, x.fs, x.fsum, x.fhi, x.flo, x.f,
-                n, d_y, ldy, std::min(n_out_rows, w.rows), w.rows, accumulate ? 1 : 0, geo.tiles, 0, 0, PrepArgs{}, 8,
-                0, RopeKvArgs{}};
+  MmArgs p{w.q, w.s, w.k, geo.n_steps, geo.n_chunks, geo.n_super, x.fq, x.fs, x.fsum, x.fhi, x.flo, x.f,
+           n, d_y, ldy, std::min(n_out_rows, w.rows), w.rows, accumulate ? 1 : 0, geo.tiles, 0, 0, PrepArgs{}, 8,
+           0, RopeKvArgs{}};
+  p.rms_part = x.rms_part;
+  p.rms_eps = x.rms_eps;
+  return p;
 }
 
 void launch_product(int fmt, const MmArgs& p, Stream stream) {
@@ -657,6 +745,33 @@ constexpr int64_t kFuseMaxElems = 8192;
 
 }  // namespace
 
+bool reads_deferred_norm(const Matrix& w, int n) {
+  if (n < 2 || (w.fmt != kQ8_0 && w.fmt != kQ4_0 && w.fmt != kMXFP4)) return false;
+  const int nt = nt_for(n, geometry(w.fmt, w.rows, w.k).tiles);
+  const int staged = std::min(8 * nt, n);
+  return staged_bytes(w.fmt, w.k, staged) + deferred_part_bytes(w.k, staged) <= stage_limit(nt);
+}
+
+bool matmul_norm_fits(const Matrix& w, int64_t n_out, int n) {
+  return w.fmt != kF32 && n >= 2 && n_out > 0 && n_out % 32 == 0 && n_out <= w.rows;
+}
+
+bool matmul_norm(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out, bool accumulate,
+                 const float* d_norm_w, ActBuf& out, double* d_part, Stream stream) {
+  if (!matmul_norm_fits(w, n_out, n)) return false;
+  MERLIN_CHECK(x.kind == w.act() && x.k == w.k && n <= x.n_cap, "matmul_norm: activation buffer does not fit the matrix");
+  MERLIN_CHECK(out.kind == ActKind::Q8_0 && out.k == n_out && n <= out.n_cap && out.fq && out.fs && out.fsum,
+               "matmul_norm: the output buffer does not fit");
+  MERLIN_CHECK(!x.rms_part, "matmul_norm: the input has a deferred RMSNorm");
+  MmArgs p = product_args(w, x, n, d_y, ldy, n_out, accumulate);
+  p.norm_on = 1;
+  p.norm_w = d_norm_w;
+  p.norm_out = out;
+  p.norm_part = d_part;
+  launch_product(w.fmt, p, stream);
+  return true;
+}
+
 bool prep_fuses(const Matrix& w, int n) {
   return w.fmt != kF32 && n >= 1 && n <= 8 && (int64_t)n * w.k <= kFuseMaxElems &&
          staged_bytes(w.fmt, w.k, n) <= kStageMax[0];
@@ -666,7 +781,9 @@ void matmul(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, in
             Stream stream) {
   if (n <= 0) return;
   MERLIN_CHECK(x.kind == w.act() && x.k == w.k && n <= x.n_cap, "matmul: activation buffer does not fit the matrix");
-  MERLIN_CHECK(!x.rms_part || n == 1, "matmul: a deferred RMSNorm (matvec1_norm) is read by one-token steps only");
+  MERLIN_CHECK(!x.rms_part || (n == x.rms_rows && (n == 1 || reads_deferred_norm(w, n))),
+               "matmul: this product cannot read a deferred RMSNorm (ActBuf::rms_part) of ", x.rms_rows, " rows as ", n,
+               " tokens");
   if (n == 1 && matvec1(w, x, d_y, n_out_rows, accumulate, stream)) return;
   launch_product(w.fmt, product_args(w, x, n, d_y, ldy, n_out_rows, accumulate), stream);
 }
@@ -679,7 +796,8 @@ bool matmul_rope_kv(const Matrix& w, const ActBuf& x, int n, float* d_qkv, int64
                    r.v_off + r.kv_dim <= w.rows && ldy >= w.rows,
                "matmul_rope_kv: Q/K/V rows do not fit the matrix");
   if (w.fmt == kF32 || r.kv.q8) return false;
-  MERLIN_CHECK(!x.rms_part || n == 1, "matmul_rope_kv: a deferred RMSNorm is read by one-token steps only");
+  MERLIN_CHECK(!x.rms_part || (n == x.rms_rows && (n == 1 || reads_deferred_norm(w, n))),
+               "matmul_rope_kv: this product cannot read a deferred RMSNorm of ", x.rms_rows, " rows as ", n, " tokens");
   if (n == 1 && matvec1_rope_kv(w, x, d_qkv, r, stream)) return true;
   MmArgs p = product_args(w, x, n, d_qkv, ldy, w.rows, false);
   p.rope_on = 1;

@@ -309,11 +309,7 @@ __device__ __forceinline__ void compute_round(const Mv1Args& p, const Round<F>& 
 // sums of squares (in double, in a fixed order, like row_scale) and the staged scale is the product rounded
 // to half, as prep_act rounds a block scale.
 __device__ __forceinline__ float deferred_rms(const Mv1Args& p) {
-  const int kb = (int)(p.k / 32), lane = threadIdx.x & 31;
-  double ss = 0.0;
-  for (int i = lane; i < kb; i += 32) ss += p.rms_part[i];
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  return inv_rms(ss, p.k, p.rms_eps);
+  return deferred_inv_rms(p.rms_part, (int)(p.k / 32), p.k, p.rms_eps);
 }
 
 // Only formats that read Q8_0 rows (Q4_K and TQ2_0 read Q8_K: the host never defers their norm, and the
@@ -371,22 +367,15 @@ struct Cursor {
   int grp, r;  // group index (global) and round
 };
 
-// The next RMSNorm's input from 32 consecutive final rows y (one per lane, row = the lane's row): the Q8_0
-// codes of y * w as emit() quantizes a block, with the block scale of y * w, not of y / rms(y) * w (the row's
-// rms is not known until every block is done), and the block's sum of y^2 in double. A single-token reader
-// multiplies the scale by 1 / rms when it stages the row (deferred_rms): up to rounding, what prep_act's
-// RMSNorm gives (the codes are those of the same values times a common factor).
+// The next RMSNorm's input from 32 consecutive final rows y (one per lane, row = the lane's row), with a
+// deferred scale (norm_block); a single-token reader completes it in stage_x (deferred_rms).
 __device__ __forceinline__ void emit_norm(const Mv1Args& p, int64_t row, float y, float w) {
-  float amax;
-  const int q = warp_q8_0(__fmul_rn(y, w), amax);
-  p.norm_out.q[row] = (int8_t)q;
-  const int sum = warp_sum_int(q);
-  double ss = (double)y * (double)y;
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const NormBlock b = norm_block(y, w);
+  p.norm_out.q[row] = (int8_t)b.q;
   if ((threadIdx.x & 31) == 0) {
-    p.norm_out.scale[row / 32] = amax / 127.0f;
-    p.norm_out.sum[row / 32] = sum;
-    p.norm_part[row / 32] = ss;
+    p.norm_out.scale[row / 32] = b.scale;
+    p.norm_out.sum[row / 32] = b.sum;
+    p.norm_part[row / 32] = b.sum_sq;
   }
 }
 

@@ -57,11 +57,14 @@ struct ActBuf {
   // F16/BF16: hi and lo in the m16n8k16 B-operand order (frag_half_index), rows padded to 32 columns.
   uint16_t* fhi = nullptr;
   uint16_t* flo = nullptr;
-  // A Q8_0 row written by matvec1_norm: its block scales still lack the row's RMSNorm factor, which a reader
-  // (the single-token products only) computes from these per-block sums of squares and rms_eps. Null in
-  // buffers prep_act fills; set only on the copy of the ActBuf handed to the reader.
+  // Q8_0 rows written by matvec1_norm (one token: the row planes) or matmul_norm (2 or more: the fragment
+  // planes): their block scales still lack each row's RMSNorm factor, which a reader computes from these
+  // per-block sums of squares ([n][k / 32]) and rms_eps. Null in buffers prep_act fills; set only on the copy
+  // of the ActBuf handed to the reader (single-token products, or batched ones that stage their input:
+  // reads_deferred_norm).
   const double* rms_part = nullptr;
   float rms_eps = 0;
+  int rms_rows = 0;  // the tokens the producer wrote: a reader must take exactly these (1: row planes)
 };
 ActBuf act_alloc(ActKind kind, int64_t k, int n_cap);
 void act_free(ActBuf& a);
@@ -138,6 +141,17 @@ bool matvec1_swiglu(const Matrix& w, const ActBuf& x, int64_t ffn, int64_t up_ro
 bool norm_fold_fits(const Matrix& w, int64_t n_out);
 bool matvec1_norm(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool accumulate, const float* d_norm_w,
                   ActBuf& out, double* d_part, Stream stream);
+// The same for decode-sized steps of n >= 2 tokens through the batched products: y (+)= W x for n tokens, and
+// per token and block of 32 outputs out's fragment-ordered codes and unnormalised scales (fq, fs, fsum) and
+// d_part[t * n_out / 32 + block]. The products' sums are those of matmul() with at most 4 warps per tile
+// (a tile set then holds whole blocks), so y equals matmul()'s up to the order of each row's partial sums.
+// A batched reader takes the copy of out with rms_part = d_part where reads_deferred_norm(reader, n): its
+// CTAs stage their tokens in shared memory and complete the scales there. matmul_norm_fits says whether the
+// producer applies (not F32, n >= 2, n_out % 32 == 0); matmul_norm returns false (nothing queued) where not.
+bool matmul_norm_fits(const Matrix& w, int64_t n_out, int n);
+bool matmul_norm(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out, bool accumulate,
+                 const float* d_norm_w, ActBuf& out, double* d_part, Stream stream);
+bool reads_deferred_norm(const Matrix& w, int n);
 // Tests: forces log2 of the warps per tile of the single-token products (clamped per variant); -1 restores
 // the per-matrix choice.
 void set_matvec1_split(int lsplit);
