@@ -154,10 +154,11 @@ class CudaBackend final : public Backend {
   bool rope_fuse_ = true;   // MERLIN_CUDA_ROPE_FUSE=0: one-token steps run rope_kv as its own kernel
   bool glu_fuse_ = true;    // MERLIN_CUDA_GLU_FUSE=0: one-token steps run SwiGLU as its own kernel
   bool norm_fold_ = true;   // MERLIN_CUDA_NORM_FOLD=0: every RMSNorm runs as its own kernel
-  // Steps of 2 .. norm_fold_mm_ tokens fold it too (MERLIN_CUDA_NORM_FOLD_MM=N, 0 .. 32). 8 by default: on the
-  // H200 base q4_0 x8 gained 5-8 %, while 16- and 32-token steps lost up to 4-5 % (the producer keeps at most 4
-  // warps per tile and the reader completes the scales after staging; docs/GPU.md).
-  int norm_fold_mm_ = 8;
+  // Steps of 2 .. norm_fold_mm_ tokens fold it too where it pays (MERLIN_CUDA_NORM_FOLD_MM=N, 0 .. 32). Off by
+  // default: on the H200 16- and 32-token steps lost 2-5 % (the producer keeps at most 4 warps per tile and the
+  // reader completes the scales after staging), 8-token steps moved between +5 % and -6 % from call to call
+  // (docs/GPU.md).
+  int norm_fold_mm_ = 0;
   ActBuf norm_act_;         // the next RMSNorm's input as Wo / down write it (matvec1_norm, matmul_norm)
   double* norm_part_ = nullptr;  // its per-block sums of squares, [tokens][dim / 32]
   // Steps of at least gemm_min_ tokens run their products through cuBLAS (gemm.cu); 0: never.
@@ -502,7 +503,8 @@ bool CudaBackend::folds_norm(const Linear& producer, const Linear& reader, int n
     if (m.act() != ActKind::Q8_0 || m.k != c_.dim) return false;
     if (n > 1 && !cuda::reads_deferred_norm(m, n)) return false;
   }
-  return n == 1 ? cuda::norm_fold_fits(producer.mats[0], c_.dim) : cuda::matmul_norm_fits(producer.mats[0], c_.dim, n);
+  const Matrix& m = producer.mats[0];
+  return n == 1 ? cuda::norm_fold_fits(m, c_.dim) : cuda::matmul_norm_fits(m, c_.dim, n) && cuda::matmul_norm_pays(m);
 }
 
 ActBuf CudaBackend::folded_input(int n) const {

@@ -63,6 +63,7 @@ struct Mv1Args {
   int64_t n_out;
   int accumulate;
   int resid_early;  // accumulate: the CTA's first group reads its residual rows right after pdl_wait
+  int x_early;      // stage_x requests the thread's first step before the deferred norm's sums
   int rope_on;      // 1: y is the stacked QKV product, finished by rope_store (matmul_rope_kv)
   RopeKvArgs rope;
   int glu_up_tile;  // Glu variant: first tile of the up rows
@@ -317,47 +318,63 @@ __device__ __forceinline__ float deferred_rms(const Mv1Args& p) {
 template <int F>
 __device__ __forceinline__ constexpr bool reads_q8_0() { return F == kQ8_0 || F == kQ4_0 || F == kMXFP4; }
 
+// A block scale as staged: with a deferred RMSNorm times 1 / rms, rounded to half.
 template <int F>
-__device__ __forceinline__ float staged_scale(const Mv1Args& p, int s, float rms) {
-  if constexpr (reads_q8_0<F>()) return p.rms_part ? round_to_half(p.xs[s] * rms) : p.xs[s];
-  return p.xs[s];
+__device__ __forceinline__ float staged_scale(const Mv1Args& p, float x, float rms) {
+  if constexpr (reads_q8_0<F>()) return p.rms_part ? round_to_half(x * rms) : x;
+  return x;
 }
 
+// Stages step s: its codes a (bytes 0..15) and b (16..31) and its staged block scale.
+template <int F>
+__device__ __forceinline__ void stage_step(uint8_t* sm, int64_t k, int s, uint4 a, uint4 b, float scale) {
+  uint4* dst = reinterpret_cast<uint4*>(sm);
+  if constexpr (F == kQ4_0) {
+    const uint32_t sx = __float_as_uint(scale);
+    const uint32_t lo[4] = {a.x, a.y, a.z, a.w}, hi[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int t = 0; t < 4; ++t)
+      dst[4 * s + t] =
+          make_uint4(lo[t], hi[t], (uint32_t)dp4a(0xF8F8F8F8u, lo[t], dp4a(0xF8F8F8F8u, hi[t], kIntBias)), sx);
+    return;
+  }
+  if constexpr (F == kMXFP4) {
+    dst[2 * s] = make_uint4(__byte_perm(a.x, b.x, 0x5140), __byte_perm(a.x, b.x, 0x7362),
+                            __byte_perm(a.y, b.y, 0x5140), __byte_perm(a.y, b.y, 0x7362));
+    dst[2 * s + 1] = make_uint4(__byte_perm(a.z, b.z, 0x5140), __byte_perm(a.z, b.z, 0x7362),
+                                __byte_perm(a.w, b.w, 0x5140), __byte_perm(a.w, b.w, 0x7362));
+  } else {
+    dst[2 * s] = make_uint4(a.x, b.x, a.y, b.y);
+    dst[2 * s + 1] = make_uint4(a.z, b.z, a.w, b.w);
+  }
+  reinterpret_cast<float*>(sm + k)[s] = scale;
+}
+
+// The thread's first step is requested before the deferred norm's sums of squares, so that the two L2 round
+// trips overlap instead of following each other (rows of up to W * 32 blocks, every row here but the
+// longest, have no other step).
 template <int F, int W>
 __device__ __forceinline__ void stage_x(const Mv1Args& p, uint8_t* sm) {
   constexpr int kT = W * 32;
-  const int kb = (int)(p.k / 32);
+  const int kb = (int)(p.k / 32), s0 = threadIdx.x;
   const uint4* src = reinterpret_cast<const uint4*>(p.xq);  // activation buffers are 256-byte aligned
-  uint4* dst = reinterpret_cast<uint4*>(sm);
+  uint4 a0{}, b0{};
+  float x0 = 0.0f;
+  auto first = [&] {
+    if (s0 < kb) {
+      a0 = src[2 * s0];
+      b0 = src[2 * s0 + 1];
+      x0 = p.xs[s0];
+    }
+  };
+  if (p.x_early) first();
   float rms = 1.0f;
   if constexpr (reads_q8_0<F>()) {
     if (p.rms_part) rms = deferred_rms(p);
   }
-  for (int s = threadIdx.x; s < kb; s += kT) {
-    const uint4 a = src[2 * s], b = src[2 * s + 1];
-    if constexpr (F == kQ4_0) {
-      const uint32_t sx = __float_as_uint(staged_scale<F>(p, s, rms));
-      const uint32_t lo[4] = {a.x, a.y, a.z, a.w}, hi[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-      for (int t = 0; t < 4; ++t)
-        dst[4 * s + t] =
-            make_uint4(lo[t], hi[t], (uint32_t)dp4a(0xF8F8F8F8u, lo[t], dp4a(0xF8F8F8F8u, hi[t], kIntBias)), sx);
-      continue;
-    }
-    if constexpr (F == kMXFP4) {
-      dst[2 * s] = make_uint4(__byte_perm(a.x, b.x, 0x5140), __byte_perm(a.x, b.x, 0x7362),
-                              __byte_perm(a.y, b.y, 0x5140), __byte_perm(a.y, b.y, 0x7362));
-      dst[2 * s + 1] = make_uint4(__byte_perm(a.z, b.z, 0x5140), __byte_perm(a.z, b.z, 0x7362),
-                                  __byte_perm(a.w, b.w, 0x5140), __byte_perm(a.w, b.w, 0x7362));
-    } else {
-      dst[2 * s] = make_uint4(a.x, b.x, a.y, b.y);
-      dst[2 * s + 1] = make_uint4(a.z, b.z, a.w, b.w);
-    }
-  }
-  if constexpr (F != kQ4_0) {
-    float* xs = reinterpret_cast<float*>(sm + p.k);
-    for (int i = threadIdx.x; i < kb; i += kT) xs[i] = staged_scale<F>(p, i, rms);
-  }
+  if (!p.x_early) first();  // A/B timing only (MERLIN_CUDA_MV1_STAGE=0): the sums first, then the row
+  if (s0 < kb) stage_step<F>(sm, p.k, s0, a0, b0, staged_scale<F>(p, x0, rms));
+  for (int s = s0 + kT; s < kb; s += kT) stage_step<F>(sm, p.k, s, src[2 * s], src[2 * s + 1], staged_scale<F>(p, p.xs[s], rms));
   __syncthreads();
 }
 
@@ -654,6 +671,12 @@ bool resid_early() {
   return on;
 }
 
+// MERLIN_CUDA_MV1_STAGE=0 (read once): stage_x sums the deferred norm before it requests the row (A/B timing).
+bool x_early() {
+  static const bool on = !env_is("MERLIN_CUDA_MV1_STAGE", "0");
+  return on;
+}
+
 // MERLIN_CUDA_MV1_EXACT=0 (read once): always the predicated kernels (A/B timing; same results).
 bool exact_off() {
   static const bool off = env_is("MERLIN_CUDA_MV1_EXACT", "0");
@@ -712,6 +735,7 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
   p.n_out = n_out;
   p.accumulate = accumulate ? 1 : 0;
   p.resid_early = resid_early() ? 1 : 0;
+  p.x_early = x_early() ? 1 : 0;
   p.rope_on = e.rope ? 1 : 0;
   if (e.rope) p.rope = *e.rope;
   if (e.glu_out) {

@@ -152,6 +152,10 @@ bool matmul_norm_fits(const Matrix& w, int64_t n_out, int n);
 bool matmul_norm(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out, bool accumulate,
                  const float* d_norm_w, ActBuf& out, double* d_part, Stream stream);
 bool reads_deferred_norm(const Matrix& w, int n);
+// Whether matmul_norm keeps the plain product's rounds per warp: its at most 4 warps per tile cover a row in
+// one round each (rows of at most 16 chunks: 1,024 columns of Q4_0 / MXFP4, 512 of Q8_0). Longer rows get
+// twice the rounds per warp or more (macbook q4_0 x8 lost 6 %), so the backend folds only where this holds.
+bool matmul_norm_pays(const Matrix& w);
 // Tests: forces log2 of the warps per tile of the single-token products (clamped per variant); -1 restores
 // the per-matrix choice.
 void set_matvec1_split(int lsplit);
