@@ -823,6 +823,13 @@ static int plain_split(const Matrix& w) {
 }
 
 // F16/BF16 rows (matvec1_half.cu) emit element by element: outputs in F16, BF16 or F32 only.
+// MERLIN_CUDA_GLU_SHORT=1 (read once): the SwiGLU epilogue also for rows the plain product splits over more
+// than 2 warps per tile (A/B timing).
+bool glu_short() {
+  static const bool on = env_is("MERLIN_CUDA_GLU_SHORT", "1");
+  return on;
+}
+
 bool swiglu_fuses(const Matrix& w, int64_t ffn, int64_t up_row, ActKind out) {
   const bool shape = mv1_mode() != 0 && g_sm_count > 0 && w.k > 0 && ffn > 0 && up_row % 16 == 0 &&
                      up_row >= ffn && up_row + ffn <= w.rows;
@@ -830,7 +837,7 @@ bool swiglu_fuses(const Matrix& w, int64_t ffn, int64_t up_row, ActKind out) {
     return shape && matvec1_half_fits(w) && (out == ActKind::F16 || out == ActKind::BF16 || out == ActKind::F32);
   const bool fmt = w.fmt == kQ8_0 || w.fmt == kQ4_0 || w.fmt == kMXFP4 || w.fmt == kQ4_K || w.fmt == kTQ2;
   return shape && fmt && out != ActKind::Q8_K && w.k <= kMaxK && ffn % 32 == 0 &&
-         (g_split_override >= 0 || plain_split(w) <= 1);
+         (g_split_override >= 0 || plain_split(w) <= 1 || glu_short());
 }
 
 bool matvec1_swiglu(const Matrix& w, const ActBuf& x, int64_t ffn, int64_t up_row, ActBuf& out, Stream stream) {
