@@ -70,7 +70,29 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// Microseconds per phase of a captured graph of `phases` phase kernels.
+// Median microseconds per phase of `launch` (queues `phases` phases on s) over 8 timed repetitions after one
+// warm-up.
+template <class Launch>
+double time_phases(int phases, cudaStream_t s, Launch launch) {
+  cudaEvent_t e0, e1;
+  check(cudaEventCreate(&e0), "event");
+  check(cudaEventCreate(&e1), "event");
+  std::vector<double> us;
+  for (int rep = 0; rep < 9; ++rep) {
+    check(cudaEventRecord(e0, s), "record");
+    launch();
+    check(cudaEventRecord(e1, s), "record");
+    check(cudaEventSynchronize(e1), "sync");
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, e0, e1), "elapsed");
+    if (rep > 0) us.push_back(1000.0 * ms / phases);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return median(us);
+}
+
+// A captured graph of `phases` phase kernels, with or without programmatic dependent launch.
 double time_chain(int grid, int phases, bool pdl, unsigned* bufs, cudaStream_t s) {
   cudaGraph_t graph;
   cudaGraphExec_t exec;
@@ -91,47 +113,21 @@ double time_chain(int grid, int phases, bool pdl, unsigned* bufs, cudaStream_t s
   }
   check(cudaStreamEndCapture(s, &graph), "end capture");
   check(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-  cudaEvent_t e0, e1;
-  check(cudaEventCreate(&e0), "event");
-  check(cudaEventCreate(&e1), "event");
-  std::vector<double> us;
-  for (int rep = 0; rep < 9; ++rep) {
-    check(cudaEventRecord(e0, s), "record");
-    check(cudaGraphLaunch(exec, s), "graph launch");
-    check(cudaEventRecord(e1, s), "record");
-    check(cudaEventSynchronize(e1), "sync");
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, e0, e1), "elapsed");
-    if (rep > 0) us.push_back(1000.0 * ms / phases);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
+  const double us = time_phases(phases, s, [&] { check(cudaGraphLaunch(exec, s), "graph launch"); });
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
-  return median(us);
+  return us;
 }
 
+// One cooperative launch of the persistent kernel (the runtime refuses a grid that cannot be resident at once,
+// where the barrier would hang).
 double time_persistent(int grid, int phases, unsigned* bufs, unsigned* count, cudaStream_t s) {
-  cudaEvent_t e0, e1;
-  check(cudaEventCreate(&e0), "event");
-  check(cudaEventCreate(&e1), "event");
-  std::vector<double> us;
-  for (int rep = 0; rep < 9; ++rep) {
+  return time_phases(phases, s, [&] {
     check(cudaMemsetAsync(count, 0, sizeof(unsigned), s), "memset");
-    check(cudaEventRecord(e0, s), "record");
     void* args[] = {&bufs, &count, &phases};
-    // Cooperative launch: the runtime refuses a grid that cannot be resident at once (the barrier would hang).
     check(cudaLaunchCooperativeKernel((const void*)persistent_kernel, dim3(grid), dim3(kThreads), args, 0, s),
           "cooperative launch");
-    check(cudaEventRecord(e1, s), "record");
-    check(cudaEventSynchronize(e1), "sync");
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, e0, e1), "elapsed");
-    if (rep > 0) us.push_back(1000.0 * ms / phases);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  return median(us);
+  });
 }
 
 }  // namespace

@@ -26,6 +26,7 @@ namespace {
 using test::DevFloats;
 using test::gaussian;
 using test::max_abs;
+using test::max_diff;
 using test::random_matrix;
 
 cu::Matrix upload_one(DType t, const std::vector<uint8_t>& w, int64_t rows, int64_t k) {
@@ -34,6 +35,32 @@ cu::Matrix upload_one(DType t, const std::vector<uint8_t>& w, int64_t rows, int6
 }
 
 float half_round(float v) { return fp16_to_f32(f32_to_fp16(v)); }
+
+// n rows of k Gaussian activations in m's input format (a Plain preparation).
+cu::ActBuf plain_rows(const cu::Matrix& m, int64_t k, int n, uint32_t seed) {
+  cu::ActBuf a = cu::act_alloc(m.act(), k, n);
+  DevFloats dx(gaussian((size_t)n * k, seed, 2.0f));
+  cu::PrepArgs plain;
+  plain.d_x = dx.p;
+  plain.ld = k;
+  cu::prep_act(plain, n, a, nullptr);
+  cu::sync_device();
+  return a;
+}
+
+// RMSNorm weights near 1.
+std::vector<float> norm_weights(int64_t n, uint32_t seed) {
+  std::vector<float> w = gaussian((size_t)n, seed, 0.3f);
+  for (float& v : w) v += 1.0f;
+  return w;
+}
+
+// A reader's outputs for n tokens of x (rows of r.k elements).
+std::vector<float> reader_out(const cu::Matrix& r, const cu::ActBuf& x, int n) {
+  DevFloats z(std::vector<float>((size_t)n * r.rows, 0.0f));
+  cu::matmul(r, x, n, z.p, r.rows, r.rows, false, nullptr);
+  return test::download(z.p, (size_t)n * r.rows);
+}
 
 // Where element i / block b of row t lies in an ActBuf's fragment planes (act_impl.cuh's frag_code_index and
 // frag_scale_index, written out again here as the test's own reading of the layout).
@@ -132,16 +159,9 @@ TEST(CudaMatvec1, NormEpilogueMatchesSeparateKernel) {
     const std::vector<uint8_t> w = random_matrix(t, s.n, s.k, 41);
     cu::Matrix m = upload_one(t, w, s.n, s.k);
     ASSERT_TRUE(cu::norm_fold_fits(m, s.n));
-    cu::ActBuf a = cu::act_alloc(m.act(), s.k, 1);
-    DevFloats dx(gaussian((size_t)s.k, 42, 2.0f));
-    cu::PrepArgs plain;
-    plain.d_x = dx.p;
-    plain.ld = s.k;
-    cu::prep_act(plain, 1, a, nullptr);
+    cu::ActBuf a = plain_rows(m, s.k, 1, 42);
     const std::vector<float> y0 = gaussian((size_t)s.n, 43, 3.0f);
-    std::vector<float> nw = gaussian((size_t)s.n, 44, 0.3f);
-    for (float& v : nw) v += 1.0f;
-    DevFloats dnw(nw);
+    DevFloats dnw(norm_weights(s.n, 44));
     double* part = static_cast<double*>(cu::dev_alloc((size_t)s.n / 32 * sizeof(double)));
     for (int ls : {1, 2, 3}) {
       SCOPED_TRACE(std::string(dtype_name(t)) + " n " + std::to_string(s.n) + " k " + std::to_string(s.k) +
@@ -188,12 +208,8 @@ TEST(CudaMatvec1, NormEpilogueMatchesSeparateKernel) {
         const int64_t rows = 272;
         const std::vector<uint8_t> rw = random_matrix(rt, rows, s.n, 45);
         cu::Matrix r = upload_one(rt, rw, rows, s.n);
-        DevFloats zw(std::vector<float>((size_t)rows, 0.0f)), zg(std::vector<float>((size_t)rows, 0.0f));
-        cu::matmul(r, want, 1, zw.p, rows, rows, false, nullptr);
-        cu::matmul(r, folded, 1, zg.p, rows, rows, false, nullptr);
-        const std::vector<float> hw = test::download(zw.p, (size_t)rows), hg = test::download(zg.p, (size_t)rows);
-        float diff = 0;
-        for (size_t i = 0; i < hw.size(); ++i) diff = std::max(diff, std::fabs(hw[i] - hg[i]));
+        const std::vector<float> hw = reader_out(r, want, 1), hg = reader_out(r, folded, 1);
+        const float diff = max_diff(hw, hg);
         EXPECT_GT(max_abs(hw), 0.0f);
         EXPECT_LE(diff, 1e-3f * max_abs(hw)) << "reader " << dtype_name(rt);
         if (code_diff == 0 && scale_diff == 0) {
@@ -201,7 +217,7 @@ TEST(CudaMatvec1, NormEpilogueMatchesSeparateKernel) {
         }
         // A deferred row is for single-token products only.
         if (rt == DType::Q4_0) {
-          EXPECT_THROW(cu::matmul(r, folded, 2, zg.p, rows, rows, false, nullptr), Error);
+          EXPECT_THROW(reader_out(r, folded, 2), Error);
         }
         cu::free_matrix(r);
       }
@@ -249,16 +265,9 @@ TEST(CudaMatmulNorm, EpilogueMatchesSeparateKernel) {
     const std::vector<uint8_t> w = random_matrix(t, s.n, s.k, 51);
     cu::Matrix m = upload_one(t, w, s.n, s.k);
     ASSERT_TRUE(cu::matmul_norm_fits(m, s.n, n));
-    cu::ActBuf a = cu::act_alloc(m.act(), s.k, n);
-    DevFloats dx(gaussian((size_t)n * s.k, 52, 2.0f));
-    cu::PrepArgs plain;
-    plain.d_x = dx.p;
-    plain.ld = s.k;
-    cu::prep_act(plain, n, a, nullptr);
+    cu::ActBuf a = plain_rows(m, s.k, n, 52);
     const std::vector<float> y0 = gaussian((size_t)n * s.n, 53, 3.0f);
-    std::vector<float> nw = gaussian((size_t)s.n, 54, 0.3f);
-    for (float& v : nw) v += 1.0f;
-    DevFloats dnw(nw), want_y(y0), got_y(y0);
+    DevFloats dnw(norm_weights(s.n, 54)), want_y(y0), got_y(y0);
     const int64_t kb = s.n / 32;
     double* part = static_cast<double*>(cu::dev_alloc((size_t)n * kb * sizeof(double)));
     cu::ActBuf want = cu::act_alloc(cu::ActKind::Q8_0, s.n, n), got = cu::act_alloc(cu::ActKind::Q8_0, s.n, n);
@@ -268,9 +277,7 @@ TEST(CudaMatmulNorm, EpilogueMatchesSeparateKernel) {
     ASSERT_TRUE(cu::matmul_norm(m, a, n, got_y.p, s.n, s.n, true, dnw.p, got, part, nullptr));
     cu::sync_device();
     const std::vector<float> yw = test::download(want_y.p, y0.size()), yg = test::download(got_y.p, y0.size());
-    float ydiff = 0;
-    for (size_t i = 0; i < yw.size(); ++i) ydiff = std::max(ydiff, std::fabs(yw[i] - yg[i]));
-    EXPECT_LE(ydiff, 1e-5f * max_abs(yw)) << "residual rows";
+    EXPECT_LE(max_diff(yw, yg), 1e-5f * max_abs(yw)) << "residual rows";
 
     const std::vector<double> ss = test::download(part, (size_t)n * kb);
     const size_t nf = (size_t)(n + 7) / 8 * 8 * s.n;
@@ -303,18 +310,14 @@ TEST(CudaMatmulNorm, EpilogueMatchesSeparateKernel) {
       const int64_t rows = 272;
       const std::vector<uint8_t> rw = random_matrix(rt, rows, s.n, 55);
       cu::Matrix r = upload_one(rt, rw, rows, s.n);
-      DevFloats zw(std::vector<float>((size_t)n * rows, 0.0f)), zg(std::vector<float>((size_t)n * rows, 0.0f));
-      cu::matmul(r, want, n, zw.p, rows, rows, false, nullptr);
       if (!cu::reads_deferred_norm(r, n)) {  // its CTAs would read the unscaled rows from global memory
-        EXPECT_THROW(cu::matmul(r, folded, n, zg.p, rows, rows, false, nullptr), Error) << dtype_name(rt);
+        EXPECT_THROW(reader_out(r, folded, n), Error) << dtype_name(rt);
         cu::free_matrix(r);
         continue;
       }
-      cu::matmul(r, folded, n, zg.p, rows, rows, false, nullptr);
-      EXPECT_THROW(cu::matmul(r, folded, n - 1, zg.p, rows, rows, false, nullptr), Error) << "a different token count";
-      const std::vector<float> hw = test::download(zw.p, (size_t)n * rows), hg = test::download(zg.p, (size_t)n * rows);
-      float diff = 0;
-      for (size_t i = 0; i < hw.size(); ++i) diff = std::max(diff, std::fabs(hw[i] - hg[i]));
+      EXPECT_THROW(reader_out(r, folded, n - 1), Error) << "a different token count";
+      const std::vector<float> hw = reader_out(r, want, n), hg = reader_out(r, folded, n);
+      const float diff = max_diff(hw, hg);
       EXPECT_GT(max_abs(hw), 0.0f);
       EXPECT_LE(diff, 2e-3f * max_abs(hw)) << "reader " << dtype_name(rt);
       cu::free_matrix(r);
