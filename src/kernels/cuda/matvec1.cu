@@ -658,11 +658,16 @@ int mv1_mode() {
   return mode;
 }
 
-// Whether the X kernels apply: every round that starts is whole. Q8_0 and TQ2_0 spill in the exact kernel
-// (ptxas -v at 128 registers); Q8_0 streams at ~95 % already and TQ2_0 gained nothing from it (H200, ninth
-// session), so they keep the checked one.
+// Whether the X kernels apply: every round that starts is whole. Q8_0 and TQ2_0 keep the checked kernel: their
+// exact ones spilled until the eleventh session's staging change and, spill-free since, won and lost by shape
+// (H200 tg128, checked / exact: base q8_0 4,420-4,443 / 4,486-4,501, macbook q8_0 445 / 433, base tq2_0 3,737 /
+// 3,506-3,524, macbook tq2_0 777 / 793).
+bool exact_all() {  // MERLIN_CUDA_MV1_EXACT_ALL=1 (read once): Q8_0 and TQ2_0 too (A/B timing)
+  static const bool on = env_is("MERLIN_CUDA_MV1_EXACT_ALL", "1");
+  return on;
+}
 bool exact_rounds(int f, const Geometry& geo) {
-  return f != kQ8_0 && f != kTQ2 && whole_rounds(f, geo.n_chunks, geo.n_steps, kRound);
+  return (exact_all() || (f != kQ8_0 && f != kTQ2)) && whole_rounds(f, geo.n_chunks, geo.n_steps, kRound);
 }
 
 // MERLIN_CUDA_MV1_RESID=0 (read once): accumulating products read the residual after their work (A/B timing).
