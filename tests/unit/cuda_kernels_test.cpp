@@ -165,6 +165,8 @@ TEST(CudaKernels, RmsNormAndSwiGluMatchCpu) {
   }
 }
 
+// The embedding lookup against the CPU's dequantization, and the first layer's RMSNorm that does the lookup
+// itself against embed() followed by prep_act.
 TEST(CudaKernels, EmbeddingRowsAreBitExact) {
   REQUIRE_GPU();
   for (DType t : {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::Q4_K,
@@ -186,6 +188,41 @@ TEST(CudaKernels, EmbeddingRowsAreBitExact) {
     for (size_t i = 0; i < toks.size(); ++i) {
       kernels::dequantize_row(t, m.data() + toks[i] * row_bytes, want.data(), dim);
       EXPECT_EQ(std::memcmp(&got[i * dim], want.data(), dim * 4), 0) << "row " << i;
+    }
+    // The first layer's RMSNorm reading the embedding rows itself (PrepArgs::d_tokens): the residual rows and
+    // the prepared input equal embed() followed by prep_act, bit for bit, in every input format.
+    const std::vector<float> nw = gaussian((size_t)dim, 6);
+    DevFloats dw(nw);
+    for (cu::ActKind kind : {cu::ActKind::Q8_0, cu::ActKind::Q8_K, cu::ActKind::F16, cu::ActKind::F32}) {
+      const int n = (int)toks.size();
+      cu::ActBuf want = cu::act_alloc(kind, dim, n), got = cu::act_alloc(kind, dim, n);
+      const cu::PrepArgs norm{cu::Prep::RmsNorm, dx, dim, dw.p, 1e-5f, 0, nullptr};
+      cu::prep_act(norm, n, want, nullptr);
+      auto* dx2 = static_cast<float*>(cu::dev_alloc(toks.size() * dim * 4));
+      cu::PrepArgs fused = norm;
+      fused.d_x = dx2;
+      fused.d_tokens = dt;
+      fused.embd = static_cast<const uint8_t*>(dm);
+      fused.embd_type = t;
+      fused.embd_row_bytes = row_bytes;
+      fused.d_embed_x = dx2;
+      cu::prep_act(fused, n, got, nullptr);
+      cu::sync_device();
+      EXPECT_EQ(download(dx2, toks.size() * dim), download(dx, toks.size() * dim)) << "residual rows";
+      const size_t e = (size_t)n * dim;
+      if (kind == cu::ActKind::F32) {
+        EXPECT_EQ(download(got.f, e), download(want.f, e));
+      } else if (kind == cu::ActKind::F16) {
+        EXPECT_EQ(download(got.hi, e), download(want.hi, e));
+        EXPECT_EQ(download(got.lo, e), download(want.lo, e));
+      } else {
+        EXPECT_EQ(download(got.q, e), download(want.q, e)) << "codes";
+        EXPECT_EQ(download(got.scale, e / 32), download(want.scale, e / 32)) << "scales";
+        EXPECT_EQ(download(got.fq, e), download(want.fq, e)) << "fragment codes";
+      }
+      cu::dev_free(dx2);
+      cu::act_free(want);
+      cu::act_free(got);
     }
     cu::dev_free(dm);
     cu::dev_free(dt);

@@ -1,7 +1,8 @@
 // The decode products' epilogues against the separate kernels they replace: SwiGLU of a stacked gate/up
 // product (matvec1.cu, bit-identical), and the next RMSNorm's input written by the product that adds to the
 // residual row (matvec1_norm for one token, matmul_norm for 2-32: a deferred scale, equal up to float
-// rounding). Skips without a GPU.
+// rounding), and SwiGLU computed by the down product while it stages its input (bit-identical). Skips without
+// a GPU.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -12,6 +13,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "kernels/cuda/cuda_api.h"
+#include "kernels/cuda/matvec1.h"
 #include "kernels/cuda/ops.h"
 #include "cuda_test_util.h"
 #include "quant_test_util.h"
@@ -228,6 +230,131 @@ TEST(CudaMatvec1, NormEpilogueMatchesSeparateKernel) {
     cu::act_free(a);
     cu::free_matrix(m);
   }
+}
+
+// A single-token product whose input is SwiGLU of the gate/up row, computed while it stages the row
+// (ActBuf::glu_src), gives exactly the bits of prep_act(SwiGlu) followed by the product: for each format that
+// reads Q8_0, with the plain epilogue (every split) and the RMSNorm one, for rows of one pass of a CTA's warps
+// and of several (k = 5,632: 176 blocks), and a gate/up buffer whose up half starts past padding.
+TEST(CudaMatvec1, SwiGluInputMatchesSeparateKernel) {
+  REQUIRE_GPU();
+  for (DType t : {DType::Q8_0, DType::Q4_0, DType::MXFP4})
+    for (int64_t k : {256, 2048, 5632}) {
+      const int64_t n = 768, off = k + 64;  // the up rows start 64 elements past the gate rows' end
+      const std::vector<uint8_t> w = random_matrix(t, n, k, 51);
+      cu::Matrix m = upload_one(t, w, n, k);
+      ASSERT_TRUE(cu::matvec1_glu_fits(m));
+      DevFloats gu(gaussian((size_t)(off + k), 52, 2.0f));
+      cu::ActBuf want_x = cu::act_alloc(cu::ActKind::Q8_0, k, 1);
+      const cu::PrepArgs glu{cu::Prep::SwiGlu, gu.p, off + k, nullptr, 0, off, nullptr};
+      cu::prep_act(glu, 1, want_x, nullptr);
+      cu::ActBuf got_x = cu::act_alloc(cu::ActKind::Q8_0, k, 1);  // its planes are never written
+      got_x.glu_src = gu.p;
+      got_x.glu_offset = off;
+      const std::vector<float> y0 = gaussian((size_t)n, 53, 3.0f);
+      for (int ls : {-1, 0, 1, 2, 3}) {
+        SCOPED_TRACE(std::string(dtype_name(t)) + " k " + std::to_string(k) + " lsplit " + std::to_string(ls));
+        cu::set_matvec1_split(ls);
+        DevFloats want_y(y0), got_y(y0);
+        cu::matmul(m, want_x, 1, want_y.p, n, n, true, nullptr);
+        cu::matmul(m, got_x, 1, got_y.p, n, n, true, nullptr);
+        cu::sync_device();
+        const auto yw = test::download(want_y.p, (size_t)n), yg = test::download(got_y.p, (size_t)n);
+        EXPECT_EQ(std::memcmp(yw.data(), yg.data(), yw.size() * sizeof(float)), 0) << "plain";
+        EXPECT_GT(max_abs(yw), 0.0f);
+      }
+      cu::set_matvec1_split(-1);
+      // The RMSNorm epilogue (down's usual launch): outputs and the next norm's input, bit for bit.
+      DevFloats dnw(norm_weights(n, 54)), want_y(y0), got_y(y0);
+      double* part_w = static_cast<double*>(cu::dev_alloc((size_t)n / 32 * sizeof(double)));
+      double* part_g = static_cast<double*>(cu::dev_alloc((size_t)n / 32 * sizeof(double)));
+      cu::ActBuf want = cu::act_alloc(cu::ActKind::Q8_0, n, 1), got = cu::act_alloc(cu::ActKind::Q8_0, n, 1);
+      ASSERT_TRUE(cu::matvec1_norm(m, want_x, want_y.p, n, true, dnw.p, want, part_w, nullptr));
+      ASSERT_TRUE(cu::matvec1_norm(m, got_x, got_y.p, n, true, dnw.p, got, part_g, nullptr));
+      cu::sync_device();
+      EXPECT_EQ(test::download(want_y.p, (size_t)n), test::download(got_y.p, (size_t)n)) << "norm: rows";
+      EXPECT_EQ(test::download(want.q, (size_t)n), test::download(got.q, (size_t)n)) << "norm: codes";
+      EXPECT_EQ(test::download(want.scale, (size_t)n / 32), test::download(got.scale, (size_t)n / 32));
+      EXPECT_EQ(test::download(part_w, (size_t)n / 32), test::download(part_g, (size_t)n / 32));
+      // A SwiGLU row is for single-token products only.
+      DevFloats y2(std::vector<float>((size_t)2 * n, 0.f));
+      EXPECT_THROW(cu::matmul(m, got_x, 2, y2.p, n, n, false, nullptr), Error);
+      cu::dev_free(part_w);
+      cu::dev_free(part_g);
+      cu::act_free(want);
+      cu::act_free(got);
+      got_x.glu_src = nullptr;
+      cu::act_free(got_x);
+      cu::act_free(want_x);
+      cu::free_matrix(m);
+    }
+  // Formats that read Q8_K rows, and half rows, cannot.
+  const std::vector<uint8_t> q4k = random_matrix(DType::Q4_K, 64, 256, 55), f16 = random_matrix(DType::F16, 64, 256, 56);
+  cu::Matrix mk = upload_one(DType::Q4_K, q4k, 64, 256), mh = upload_one(DType::F16, f16, 64, 256);
+  EXPECT_FALSE(cu::matvec1_glu_fits(mk));
+  EXPECT_FALSE(cu::matvec1_glu_fits(mh));
+  cu::free_matrix(mk);
+  cu::free_matrix(mh);
+}
+
+// The head's product with its argmax in the same kernel (matvec1_argmax) writes the plain product's bits and
+// picks argmax_rows' index: on random rows, on a tie (the largest row copied to a later and to an earlier
+// index: the first one wins) and past a NaN row (a NaN block scale), for every quantized format and both
+// short (base's head: k = 768) and long rows.
+TEST(CudaMatvec1, ArgmaxMatchesArgmaxRows) {
+  REQUIRE_GPU();
+  struct Shape { int64_t n, k; };
+  for (DType t : {DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::Q4_K, DType::TQ2_0})
+    for (const Shape sh : {Shape{50257, 768}, Shape{3000, 4096}}) {
+      SCOPED_TRACE(std::string(dtype_name(t)) + " n " + std::to_string(sh.n) + " k " + std::to_string(sh.k));
+      std::vector<uint8_t> w = random_matrix(t, sh.n, sh.k, 61);
+      const size_t rb = dtype_row_bytes(t, (uint64_t)sh.k);
+      auto* key = static_cast<unsigned long long*>(cu::dev_alloc(sizeof(unsigned long long)));
+      auto* ids = static_cast<int32_t*>(cu::dev_alloc(sizeof(int32_t)));
+      int64_t want_first = -1;
+      const int rounds = t == DType::MXFP4 ? 3 : 4;  // an e8m0 scale has no NaN (0xFF is 2^127 here)
+      for (int round = 0; round < rounds; ++round) {
+        cu::Matrix m = upload_one(t, w, sh.n, sh.k);
+        ASSERT_TRUE(cu::matvec1_argmax_fits(m));
+        cu::ActBuf x = plain_rows(m, sh.k, 1, 62);
+        DevFloats want_y(std::vector<float>((size_t)sh.n, 0.f)), got_y(std::vector<float>((size_t)sh.n, 0.f));
+        cu::matmul(m, x, 1, want_y.p, sh.n, sh.n, false, nullptr);
+        cu::argmax_rows(want_y.p, sh.n, 1, sh.n, ids, nullptr);
+        cu::copy_to_device(key, std::vector<unsigned long long>{0ull}.data(), sizeof(unsigned long long));
+        ASSERT_TRUE(cu::matvec1_argmax(m, x, got_y.p, sh.n, key, nullptr));
+        cu::sync_device();
+        const auto yw = test::download(want_y.p, (size_t)sh.n), yg = test::download(got_y.p, (size_t)sh.n);
+        EXPECT_EQ(std::memcmp(yw.data(), yg.data(), yw.size() * sizeof(float)), 0) << "round " << round;
+        const int32_t want = test::download(ids, 1)[0];
+        const int32_t got = cu::argmax_key_row(test::download(key, 1)[0]);
+        EXPECT_EQ(got, want) << "round " << round;
+        if (round == 0) want_first = want;
+        if (round == 1) {
+          EXPECT_EQ(want, want_first) << "a later copy of the largest row does not win the tie";
+        } else if (round == 2) {
+          EXPECT_EQ(want, 5) << "an earlier copy does";
+        } else if (round == 3) {
+          EXPECT_NE(want, 5) << "a NaN row never wins";
+        }
+        // Next round's matrix: the largest row copied to a later row, then to row 5, then row 5 made NaN.
+        const int64_t src = want;
+        if (round == 0) std::memcpy(&w[(size_t)(sh.n - 1) * rb], &w[(size_t)src * rb], rb);
+        if (round == 1) std::memcpy(&w[5 * rb], &w[(size_t)src * rb], rb);
+        if (round == 2) {  // a NaN half scale in row 5's first block (Q8_0, Q4_0, Q4_K: d first; TQ2_0: after qs)
+          if (t == DType::Q8_0 || t == DType::Q4_0 || t == DType::Q4_K) {
+            w[5 * rb] = 0x00;
+            w[5 * rb + 1] = 0x7E;
+          } else if (t == DType::TQ2_0) {
+            w[5 * rb + 64] = 0x00;
+            w[5 * rb + 65] = 0x7E;
+          }
+        }
+        cu::act_free(x);
+        cu::free_matrix(m);
+      }
+      cu::dev_free(key);
+      cu::dev_free(ids);
+    }
 }
 
 // Where the epilogue cannot apply it says so and queues nothing: F16/BF16 rows, outputs not in whole blocks.

@@ -25,6 +25,21 @@ __global__ void __launch_bounds__(kPrepThreads) prep_kernel(PrepArgs p, ActBuf o
   const float w = Mode == (int)Prep::RmsNorm && valid ? p.d_w[i] : 0.0f;
   pdl_trigger();
   pdl_wait();
+  if constexpr (Mode == (int)Prep::RmsNorm) {
+    if (p.d_tokens) {  // the first layer: x is the token's embedding row, written here too (embed_kernel's values)
+      const uint8_t* row = p.embd + (size_t)p.d_tokens[t] * p.embd_row_bytes;
+      double ss = 0.0;  // row_scale's sum, over the same values in the same order
+      for (int64_t j = threadIdx.x; j < k; j += kPrepThreads) {
+        const float v = raw_value(p.embd_type, row, j);
+        ss += (double)v * (double)v;
+      }
+      const float scale = inv_rms(block_sum_double(ss, sh), k, p.eps);
+      const float v = valid ? raw_value(p.embd_type, row, i) : 0.0f;
+      if (valid) p.d_embed_x[t * p.ld + i] = v;
+      emit<Kind>(valid ? __fmul_rn(__fmul_rn(v, scale), w) : 0.0f, valid, t, i, o);
+      return;
+    }
+  }
   const int64_t src = p.d_rows ? p.d_rows[t] : t;
   const float* x = p.d_x + src * p.ld;
   const float scale = row_scale<Mode>(p, x, k, sh);
@@ -102,6 +117,8 @@ void act_free(ActBuf& a) {
 
 void prep_act(const PrepArgs& p, int n, ActBuf& out, Stream s) {
   if (n <= 0) return;
+  MERLIN_CHECK(!p.d_tokens || (p.mode == Prep::RmsNorm && !p.d_rows && p.embd && p.d_embed_x && p.ld >= out.k),
+               "prep_act: embedding rows need an RmsNorm of rows t, the table and the residual rows");
   MERLIN_CHECK(n <= out.n_cap, "prep_act: ", n, " rows exceed the buffer's ", out.n_cap);
   switch (out.kind) {
     case ActKind::F32: launch_prep<0>(p, n, out, s); break;

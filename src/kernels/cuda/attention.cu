@@ -379,6 +379,91 @@ __device__ __forceinline__ float group_total(const float* part, const Rows& r, i
   return s;
 }
 
+// A context that one pass of the CTA's groups covers (n_pos <= n_groups * pos_unroll: 128 positions for 64-dim
+// heads): each group loads its positions' K and V rows at once, and the scores, weights and V sums stay in
+// registers, so the softmax costs two block reductions and the groups' sums one exchange (three barriers,
+// where the general passes take seven and a serial sum over the 32 groups; base tg128 on the H200 4,534 ->
+// 4,842 t/s, docs/BENCHMARKS.md). The weights are the general path's (exp(s - max) times 1 / sum, rounded to
+// f16 with an F16 cache); the sums run in another order (per group, then across groups), which moves results
+// by float rounding only.
+template <int KV>
+__device__ __forceinline__ bool fits_one_pass(const Rows& r, int n_pos) { return n_pos <= r.n_groups * pos_unroll<KV>(); }
+
+// Returns dim threadIdx.x (< hd) of the head's output. red: 2 * kAttnThreads / 32 floats; part: kAttnThreads /
+// 32 * hd floats.
+template <int KV>
+__device__ __forceinline__ float attend_one_pass(const KvArgs& kv, const Rows& r,
+                                                 const FirstSlots<pos_unroll<KV>()>& fs, const float (&qr)[8],
+                                                 float scale, int n_pos, int hd, float* red, float* part) {
+  constexpr int U = pos_unroll<KV>(), W = kAttnThreads / 32, kRaw = KV == kKvF32 ? 2 : 1;
+  uint4 kq[U][kRaw], vq[U][kRaw];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int p = u * r.n_groups + r.group;
+    if (r.active && p < n_pos) {
+      const int64_t off = fs.s[u] * r.kv_dim + r.head_off + 8 * r.gi;
+      load_raw<KV>(kv.d_k, kv.d_ks, off, kq[u]);
+      load_raw<KV>(kv.d_v, kv.d_vs, off, vq[u]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kRaw; ++i) kq[u][i] = vq[u][i] = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+  float sc[U], m = -INFINITY;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    float k8[8];
+    unpack8<KV>(kq[u], k8);
+    float d = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) d += qr[j] * k8[j];
+    for (int o = r.G / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+    sc[u] = u * r.n_groups + r.group < n_pos ? d * scale : -INFINITY;
+    m = fmaxf(m, sc[u]);
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  m = warp_max(m);
+  if (lane == 0) red[warp] = m;
+  __syncthreads();
+  float mx = red[0];
+#pragma unroll
+  for (int i = 1; i < W; ++i) mx = fmaxf(mx, red[i]);
+  float e[U], l = 0.f;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    e[u] = expf(sc[u] - mx);  // 0 for positions past the context
+    l += e[u];
+  }
+  l = warp_sum(r.gi == 0 ? l : 0.f);  // a group's lanes hold the same sums: count each group once
+  if (lane == 0) red[W + warp] = l;
+  __syncthreads();
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < W; ++i) sum += red[W + i];
+  const float inv = 1.0f / sum;
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const float w = KV == kKvF16 ? round_to_half(e[u] * inv) : e[u] * inv;
+    float v8[8];
+    unpack8<KV>(vq[u], v8);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] += w * v8[j];
+  }
+  for (int o = r.G; o < 32; o <<= 1)  // the warp's groups: lanes gi, gi + G, ... hold the same dims
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
+  if (lane < r.G && r.active)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) part[warp * hd + 8 * r.gi + j] = acc[j];
+  __syncthreads();
+  float out = 0.f;
+  if ((int)threadIdx.x < hd)
+#pragma unroll
+    for (int i = 0; i < W; ++i) out += part[i * hd + threadIdx.x];
+  return out;
+}
+
 // Split-K bookkeeping (AttnScratch's device side); unused by the unsplit instance.
 struct SplitArgs {
   float* partial;  // [token][head][gridDim.z][hd + 2]
@@ -455,7 +540,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_kernel(const float* qk
   extern __shared__ float sm[];
   float* scores = sm;             // [n_scores]
   float* part = sm + n_scores + hd;  // [kAttnThreads][8]: each lane's partial V sums of its 8 dims
-  __shared__ float red[kAttnThreads / 32];
+  __shared__ float red[2 * kAttnThreads / 32];
   // Positions, sequences and block tables are written before the step's first kernel, never by a kernel, so
   // everything up to the cache slots is looked up before the wait; after it, q and the first K rows load
   // together. (Splits without work exit without waiting: they read nothing.)
@@ -480,6 +565,11 @@ __global__ void __launch_bounds__(kAttnThreads) attention_kernel(const float* qk
   } else {
 #pragma unroll
     for (int j = 0; j < 8; ++j) qr[j] = 0.f;
+  }
+  if (whole && fits_one_pass<KV>(r, n_pos)) {
+    const float v = attend_one_pass<KV>(kv, r, fs, qr, 1.0f / sqrtf((float)hd), n_pos, hd, red, part);
+    write_out(out + (int64_t)t * n_heads * hd + h * hd, qo, t, h, hd, v);
+    return;
   }
   FirstValues<KV> fv;
   float mx = score_pass<KV, Hoist>(kv, r, fs, qr, 1.0f / sqrtf((float)hd), p0, p1, scores, fv);

@@ -34,6 +34,7 @@
 #include "core/error.h"
 #include "core/sys.h"
 #include "kernels/cuda/cuda_api.h"
+#include "kernels/cuda/matvec1.h"
 #include "kernels/cuda/ops.h"
 #include "runtime/backend.h"
 #include "runtime/model.h"
@@ -138,11 +139,28 @@ class CudaBackend final : public Backend {
   bool run_gate_up_swiglu(const Layer& L, const cuda::PrepArgs& norm, int64_t ffn_off, const ActBuf* in);
   void run_qkv(const Layer& L, const cuda::PrepArgs& norm, int n, const int32_t* pos, const int32_t* seq,
                const cuda::KvArgs& kv, const ActBuf* in);
+  cuda::RopeKvArgs rope_args(const int32_t* pos, const int32_t* seq, const cuda::KvArgs& kv) const;
   bool folds_norm(const Linear& producer, const Linear& reader, int n) const;
   ActBuf folded_input(int n) const;
   bool run_residual(const Linear& l, const cuda::PrepArgs& p, int n, bool prepared, const float* next_norm,
-                    const Linear* reader);
+                    const Linear* reader, const ActBuf* in = nullptr);
+  const ActBuf* glu_input(const Linear& down, int n, int64_t ffn_off);
   float* upload_floats(const std::vector<float>& v);
+  // MERLIN_CUDA_TWICE=stage,... (timing only: the results are wrong) queues those stages' kernels twice per
+  // step, so a replayed graph's step grows by what one of them costs inside it, overlap and launch included
+  // (e.g. scripts/gpu_perf.sh with SETTINGS=";MERLIN_CUDA_TWICE=attn"). Stages: norm, qkv, attn, wo, gateup,
+  // glu, down, head, embed, argmax.
+  enum Stage : unsigned {
+    kNorm = 1, kQkv = 2, kAttn = 4, kWo = 8, kGateUp = 16, kGlu = 32, kDown = 64, kHead = 128, kEmbed = 256, kArgmax = 512
+  };
+  static unsigned parse_stages(const char* list);
+  // Queues f (which returns whether it queued anything), twice when `stage` is one of twice_.
+  template <class F>
+  bool queue(unsigned stage, F&& f) {
+    const bool queued = f();
+    if (queued && (twice_ & stage)) f();
+    return queued;
+  }
 
   const Model& m_;
   const ModelConfig& c_;
@@ -153,12 +171,19 @@ class CudaBackend final : public Backend {
   bool attn_emits_ = true;  // MERLIN_CUDA_ATTN_EMIT=0: a separate kernel quantizes the attention output
   bool rope_fuse_ = true;   // MERLIN_CUDA_ROPE_FUSE=0: one-token steps run rope_kv as its own kernel
   bool glu_fuse_ = true;    // MERLIN_CUDA_GLU_FUSE=0: one-token steps run SwiGLU as its own kernel
+  // MERLIN_CUDA_GLU_STAGE=0: where the gate/up product does not write SwiGLU (glu_fuse_), a prep_act kernel does,
+  // instead of the down product while it stages its input (glu_input).
+  bool glu_stage_ = true;
+  bool embed_fuse_ = true;  // MERLIN_CUDA_EMBED_FUSE=0: the embedding lookup runs as its own kernel
+  ActBuf glu_in_;  // glu_input's buffer view
   bool norm_fold_ = true;   // MERLIN_CUDA_NORM_FOLD=0: every RMSNorm runs as its own kernel
   // Steps of 2 .. norm_fold_mm_ tokens fold it too where it pays (MERLIN_CUDA_NORM_FOLD_MM=N, 0 .. 32). Off by
   // default: on the H200 16- and 32-token steps lost 2-5 % (the producer keeps at most 4 warps per tile and the
   // reader completes the scales after staging), 8-token steps moved between +5 % and -6 % from call to call
   // (docs/GPU.md).
   int norm_fold_mm_ = 0;
+  unsigned twice_ = 0;  // MERLIN_CUDA_TWICE
+  unsigned stage_ = 0;  // the stage enqueue is queuing
   ActBuf norm_act_;         // the next RMSNorm's input as Wo / down write it (matvec1_norm, matmul_norm)
   double* norm_part_ = nullptr;  // its per-block sums of squares, [tokens][dim / 32]
   // Steps of at least gemm_min_ tokens run their products through cuBLAS (gemm.cu); 0: never.
@@ -182,8 +207,14 @@ class CudaBackend final : public Backend {
   int32_t* table_ = nullptr;
   std::vector<int32_t> host_table_;
   // Per-step inputs: pinned host staging and their device copies.
-  int32_t* h_in_ = nullptr;  // [4][max_batch]: tokens, pos, seq, logits rows
+  int32_t* h_in_ = nullptr;  // [4][max_batch]: tokens, pos, seq, logits rows; then the argmax key (2 words, 0)
   int32_t* d_in_ = nullptr;
+  size_t in_words() const { return 4 * (size_t)max_batch_ + 2; }
+  // One-token greedy steps: the head's product also finds the argmax (matvec1_argmax) into this key, which the
+  // step's input copy zeroes first; false: argmax_rows runs after the head. MERLIN_CUDA_ARGMAX_FUSE=0: never.
+  bool head_argmax_ = false;
+  bool fused_argmax(int n_out, Output out) const { return head_argmax_ && n_out == 1 && out == Output::GreedyIds; }
+  unsigned long long* argmax_key() const { return reinterpret_cast<unsigned long long*>(d_in_ + 4 * max_batch_); }
   float* h_logits_ = nullptr;
   int32_t* h_ids_ = nullptr;  // [max_batch] greedy or sampled ids (pinned)
   int32_t* d_ids_ = nullptr;
@@ -226,9 +257,12 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   attn_emits_ = !env_is("MERLIN_CUDA_ATTN_EMIT", "0");
   rope_fuse_ = !env_is("MERLIN_CUDA_ROPE_FUSE", "0") && !kv_q8_;  // Q8_0 cache blocks are quantized by rope_kv
   glu_fuse_ = !env_is("MERLIN_CUDA_GLU_FUSE", "0");
+  glu_stage_ = !env_is("MERLIN_CUDA_GLU_STAGE", "0");
+  embed_fuse_ = !env_is("MERLIN_CUDA_EMBED_FUSE", "0");
   norm_fold_ = !env_is("MERLIN_CUDA_NORM_FOLD", "0") && c_.dim % 32 == 0;
   if (const char* f = std::getenv("MERLIN_CUDA_NORM_FOLD_MM")) norm_fold_mm_ = std::clamp(std::atoi(f), 0, kGraphMaxTokens);
   split_attention_ = !env_is("MERLIN_CUDA_SPLITK", "0");
+  twice_ = parse_stages(std::getenv("MERLIN_CUDA_TWICE"));
   // Prefill products: from 64 tokens on, dequantizing to halves and cuBLAS beat the batched tensor-core kernel,
   // which reads each weight once per 32 tokens (docs/GPU.md). MERLIN_CUDA_GEMM_MIN=0 keeps every step on it.
   gemm_min_ = 64;
@@ -293,16 +327,17 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   cuda::copy_to_device(embd_, e.data, (size_t)e.rows * e.row_bytes);
 
   const size_t B = (size_t)max_batch_;
-  MERLIN_CUDA_CHECK(cudaMallocHost(&h_in_, 4 * B * sizeof(int32_t)));
+  MERLIN_CUDA_CHECK(cudaMallocHost(&h_in_, in_words() * sizeof(int32_t)));
+  std::memset(h_in_, 0, in_words() * sizeof(int32_t));  // the argmax key's words stay zero
   MERLIN_CUDA_CHECK(cudaMallocHost(&h_logits_, B * c_.vocab_size * sizeof(float)));
-  MERLIN_CUDA_CHECK(cudaMallocHost(&h_ids_, B * sizeof(int32_t)));
+  MERLIN_CUDA_CHECK(cudaMallocHost(&h_ids_, (B + 2) * sizeof(int32_t)));  // + the argmax key
   MERLIN_CUDA_CHECK(cudaMallocHost(&h_rows_, B * sizeof(RowSampling)));
   d_rows_ = static_cast<RowSampling*>(cuda::dev_alloc(B * sizeof(RowSampling)));
   if (!env_is("MERLIN_CUDA_SAMPLE_SPLIT", "0"))
     d_sample_work_ = cuda::dev_alloc(cuda::sample_rows_work_bytes((int)B, c_.vocab_size));
   MERLIN_CUDA_CHECK(cudaMallocHost(&h_tiles_, B * sizeof(cuda::AttnTile)));
   d_tiles_ = static_cast<cuda::AttnTile*>(cuda::dev_alloc(B * sizeof(cuda::AttnTile)));
-  d_in_ = dev_array<int32_t>(4 * B);
+  d_in_ = dev_array<int32_t>(in_words());
   d_ids_ = dev_array<int32_t>(B);
   x_ = dev_array<float>(B * c_.dim);
   qkv_ = dev_array<float>(B * layers_[0].qkv.rows);
@@ -319,6 +354,8 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   for (const Layer& L : layers_)
     for (const Linear* l : {&L.qkv, &L.wo, &L.gate_up, &L.down}) make_acts(*l);
   make_acts(head_);
+  head_argmax_ = !env_is("MERLIN_CUDA_ARGMAX_FUSE", "0") && head_.mats.size() == 1 && !use_gemm(head_, 1) &&
+                 cuda::matvec1_argmax_fits(head_.mats[0]);
   cuda::attention_prepare(n_ctx_);
   attn_scratch_ = cuda::attention_scratch_alloc(std::min(max_batch_, kGraphMaxTokens), (int)c_.n_heads,
                                                 (int)c_.head_dim(), n_ctx_);
@@ -379,6 +416,26 @@ ActBuf& CudaBackend::act(ActKind kind, int64_t k) {
   return acts_.back();
 }
 
+unsigned CudaBackend::parse_stages(const char* list) {
+  static const std::pair<const char*, Stage> kNames[] = {{"norm", kNorm}, {"qkv", kQkv},   {"attn", kAttn},
+                                                         {"wo", kWo},     {"gateup", kGateUp}, {"glu", kGlu},
+                                                         {"down", kDown}, {"head", kHead}, {"embed", kEmbed},
+                                                         {"argmax", kArgmax}};
+  unsigned bits = 0;
+  std::string rest = list ? list : "";
+  while (!rest.empty()) {
+    const size_t comma = rest.find(',');
+    const std::string name = rest.substr(0, comma);
+    rest = comma == std::string::npos ? "" : rest.substr(comma + 1);
+    if (name.empty()) continue;
+    const auto* it = std::find_if(std::begin(kNames), std::end(kNames), [&](const auto& e) { return name == e.first; });
+    MERLIN_CHECK(it != std::end(kNames), "MERLIN_CUDA_TWICE: unknown stage '", name,
+                 "' (norm, qkv, attn, wo, gateup, glu, down, head, embed, argmax)");
+    bits |= it->second;
+  }
+  return bits;
+}
+
 void CudaBackend::validate(const Batch& batch) const {
   MERLIN_CHECK(batch.size() > 0 && batch.size() <= (size_t)max_batch_, "batch of ", batch.size(), " tokens (1..",
                max_batch_, " allowed)");
@@ -430,7 +487,8 @@ void CudaBackend::prepare_inputs(const cuda::PrepArgs& p, const Linear& l, int n
       out.fhi = nullptr;
       out.flo = nullptr;
     }
-    cuda::prep_act(p, n, out, stream_);
+    const unsigned stage = p.mode == cuda::Prep::RmsNorm ? kNorm : p.mode == cuda::Prep::SwiGlu ? kGlu : stage_;
+    queue(stage, [&] { return cuda::prep_act(p, n, out, stream_), true; });
     done[n_done++] = kind;
   }
 }
@@ -457,24 +515,32 @@ void CudaBackend::run_qkv(const Layer& L, const cuda::PrepArgs& norm, int n, con
     if (!in) prepare_inputs(norm, L.qkv, n, false);
     const Matrix& m = L.qkv.mats[0];
     const ActBuf& x = in ? *in : act(m.act(), m.k);
-    cuda::RopeKvArgs r;
-    r.d_pos = pos;
-    r.d_seq = seq;
-    r.d_cos_sin = cos_sin_;
-    r.q_dim = q_dim;
-    r.kv_dim = kv_dim;
-    r.k_off = k_off;
-    r.v_off = v_off;
-    r.hd = hd;
-    r.n_rot = (int)c_.rot_dims();
-    r.kv = kv;
-    if (cuda::matmul_rope_kv(m, x, n, qkv_, qkv_ld, r, stream_)) return;
-    cuda::matmul(m, x, n, qkv_, qkv_ld, qkv_ld, false, stream_);
+    const cuda::RopeKvArgs r = rope_args(pos, seq, kv);
+    if (queue(stage_, [&] { return cuda::matmul_rope_kv(m, x, n, qkv_, qkv_ld, r, stream_); })) return;
+    queue(stage_, [&] { return cuda::matmul(m, x, n, qkv_, qkv_ld, qkv_ld, false, stream_), true; });
   } else {
     run_linear(L.qkv, norm, n, qkv_, qkv_ld, qkv_ld, false, false, in);
   }
-  cuda::rope_kv(qkv_, qkv_ld, k_off, v_off, n, pos, seq, cos_sin_, (int)c_.n_heads, (int)c_.n_kv_heads, hd,
-                (int)c_.rot_dims(), kv, stream_);
+  queue(stage_, [&] {
+    cuda::rope_kv(qkv_, qkv_ld, k_off, v_off, n, pos, seq, cos_sin_, (int)c_.n_heads, (int)c_.n_kv_heads, hd,
+                  (int)c_.rot_dims(), kv, stream_);
+    return true;
+  });
+}
+
+cuda::RopeKvArgs CudaBackend::rope_args(const int32_t* pos, const int32_t* seq, const cuda::KvArgs& kv) const {
+  cuda::RopeKvArgs r;
+  r.d_pos = pos;
+  r.d_seq = seq;
+  r.d_cos_sin = cos_sin_;
+  r.hd = (int)c_.head_dim();
+  r.q_dim = c_.n_heads * r.hd;
+  r.kv_dim = c_.kv_dim();
+  r.k_off = cuda::padded_rows(r.q_dim);
+  r.v_off = r.k_off + cuda::padded_rows(r.kv_dim);
+  r.n_rot = (int)c_.rot_dims();
+  r.kv = kv;
+  return r;
 }
 
 // One-token steps: the gate/up product writes silu(gate) * up straight into the down product's input
@@ -487,7 +553,9 @@ bool CudaBackend::run_gate_up_swiglu(const Layer& L, const cuda::PrepArgs& norm,
   const Matrix& m = L.gate_up.mats[0];
   if (!cuda::swiglu_fuses(m, c_.ffn_dim, ffn_off, kind)) return false;
   if (!in) prepare_inputs(norm, L.gate_up, 1, false);
-  return cuda::matvec1_swiglu(m, in ? *in : act(m.act(), m.k), c_.ffn_dim, ffn_off, act(kind, c_.ffn_dim), stream_);
+  return queue(stage_, [&] {
+    return cuda::matvec1_swiglu(m, in ? *in : act(m.act(), m.k), c_.ffn_dim, ffn_off, act(kind, c_.ffn_dim), stream_);
+  });
 }
 
 // Whether `producer` (Wo or down, which add to x_) can also write the RMSNorm input of `reader` (gate/up, or
@@ -518,25 +586,45 @@ ActBuf CudaBackend::folded_input(int n) const {
 // x_ += act(p) · l. With a reader (folds_norm), the product also writes the reader's input, RMSNorm(x_) with
 // weights next_norm, into norm_act_ and returns true: the reader takes folded_input().
 bool CudaBackend::run_residual(const Linear& l, const cuda::PrepArgs& p, int n, bool prepared, const float* next_norm,
-                               const Linear* reader) {
+                               const Linear* reader, const ActBuf* in) {
   if (reader && folds_norm(l, *reader, n)) {
-    if (!prepared) prepare_inputs(p, l, n, false);
+    if (!prepared && !in) prepare_inputs(p, l, n, false);
     const Matrix& m = l.mats[0];
-    const ActBuf& x = act(m.act(), m.k);
-    if (n == 1 ? cuda::matvec1_norm(m, x, x_, c_.dim, true, next_norm, norm_act_, norm_part_, stream_)
-               : cuda::matmul_norm(m, x, n, x_, c_.dim, c_.dim, true, next_norm, norm_act_, norm_part_, stream_))
+    const ActBuf& x = in ? *in : act(m.act(), m.k);
+    if (queue(stage_, [&] {
+          return n == 1 ? cuda::matvec1_norm(m, x, x_, c_.dim, true, next_norm, norm_act_, norm_part_, stream_)
+                        : cuda::matmul_norm(m, x, n, x_, c_.dim, c_.dim, true, next_norm, norm_act_, norm_part_,
+                                            stream_);
+        }))
       return true;
     prepared = true;
   }
-  run_linear(l, p, n, x_, c_.dim, c_.dim, true, prepared);
+  run_linear(l, p, n, x_, c_.dim, c_.dim, true, prepared, in);
   return false;
+}
+
+// One-token steps whose SwiGLU did not go into the gate/up product: the down product computes it while it
+// stages its input (ActBuf::glu_src, matvec1_glu_fits), so no SwiGLU kernel runs. Null where it does not
+// apply (then prep_act runs it).
+const ActBuf* CudaBackend::glu_input(const Linear& down, int n, int64_t ffn_off) {
+  if (n != 1 || !glu_stage_ || down.mats.size() != 1 || use_gemm(down, n)) return nullptr;
+  const Matrix& m = down.mats[0];
+  if (m.act() != ActKind::Q8_0 || m.k != c_.ffn_dim || !cuda::matvec1_glu_fits(m)) return nullptr;
+  glu_in_ = act(m.act(), m.k);
+  glu_in_.glu_src = gu_;
+  glu_in_.glu_offset = ffn_off;
+  return &glu_in_;
 }
 
 void CudaBackend::run_linear(const Linear& l, const cuda::PrepArgs& p, int n, float* y, int64_t ldy, int64_t n_out,
                              bool acc, bool prepared, const ActBuf* in) {
   if (in) {
     for (size_t i = 0; i < l.mats.size(); ++i)
-      cuda::matmul(l.mats[i], *in, n, y + l.offset[i], ldy, std::min(n_out - l.offset[i], l.mats[i].rows), acc, stream_);
+      queue(stage_, [&] {
+        return cuda::matmul(l.mats[i], *in, n, y + l.offset[i], ldy, std::min(n_out - l.offset[i], l.mats[i].rows),
+                            acc, stream_),
+               true;
+      });
     return;
   }
   // With MERLIN_CUDA_FUSE=1, decode-sized steps let each product prepare its own input (one launch instead
@@ -547,7 +635,7 @@ void CudaBackend::run_linear(const Linear& l, const cuda::PrepArgs& p, int n, fl
     for (size_t i = 0; i < l.mats.size(); ++i) {
       const Matrix& m = l.mats[i];
       const int64_t rows = std::min(n_out - l.offset[i], m.rows);
-      gemm_->run(m, act(cuda::gemm_act_kind(m), m.k), n, y + l.offset[i], ldy, rows, acc, stream_);
+      queue(stage_, [&] { return gemm_->run(m, act(cuda::gemm_act_kind(m), m.k), n, y + l.offset[i], ldy, rows, acc, stream_), true; });
     }
     return;
   }
@@ -558,8 +646,11 @@ void CudaBackend::run_linear(const Linear& l, const cuda::PrepArgs& p, int n, fl
     const Matrix& m = l.mats[i];
     ActBuf& x = act(m.act(), m.k);
     const int64_t rows = std::min(n_out - l.offset[i], m.rows);
-    if (fused) cuda::matmul_prep(m, p, x, n, y + l.offset[i], ldy, rows, acc, stream_);
-    else cuda::matmul(m, x, n, y + l.offset[i], ldy, rows, acc, stream_);
+    queue(stage_, [&] {
+      if (fused) cuda::matmul_prep(m, p, x, n, y + l.offset[i], ldy, rows, acc, stream_);
+      else cuda::matmul(m, x, n, y + l.offset[i], ldy, rows, acc, stream_);
+      return true;
+    });
   }
 }
 
@@ -567,13 +658,17 @@ void CudaBackend::run_linear(const Linear& l, const cuda::PrepArgs& p, int n, fl
 // output (logits rows or their argmax ids) lands in pinned host memory when the stream reaches the end.
 void CudaBackend::enqueue(int n, int n_out, Output out) {
   const size_t B = (size_t)max_batch_;
-  MERLIN_CUDA_CHECK(cudaMemcpyAsync(d_in_, h_in_, 4 * B * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  MERLIN_CUDA_CHECK(cudaMemcpyAsync(d_in_, h_in_, in_words() * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   if (flash_now_)
     MERLIN_CUDA_CHECK(cudaMemcpyAsync(d_tiles_, h_tiles_, (size_t)n_tiles_ * sizeof(cuda::AttnTile),
                                       cudaMemcpyHostToDevice, stream_));
   const int32_t *tokens = d_in_, *pos = d_in_ + B, *seq = d_in_ + 2 * B, *rows = d_in_ + 3 * B;
   const Weight& e = m_.token_embd();
-  cuda::embed(e.type, embd_, e.row_bytes, c_.dim, tokens, n, x_, stream_);
+  // The first layer's RMSNorm reads the embedding rows itself (PrepArgs::d_tokens) where its input goes through
+  // prep_act (not with products that prepare their own input, MERLIN_CUDA_FUSE=1).
+  const bool embed_in_prep = embed_fuse_ && !fuse_prep_ && !layers_.empty();
+  if (!embed_in_prep)
+    queue(kEmbed, [&] { return cuda::embed(e.type, embd_, e.row_bytes, c_.dim, tokens, n, x_, stream_), true; });
   const int hd = (int)c_.head_dim();
   const int64_t q_dim = c_.n_heads * hd, k_off = cuda::padded_rows(q_dim);
   const int64_t ffn_off = cuda::padded_rows(c_.ffn_dim);
@@ -584,32 +679,58 @@ void CudaBackend::enqueue(int n, int n_out, Output out) {
     const Layer* next = li + 1 < layers_.size() ? &layers_[li + 1] : nullptr;
     const int64_t qkv_ld = L.qkv.rows, gu_ld = L.gate_up.rows;
     cuda::PrepArgs norm{cuda::Prep::RmsNorm, x_, c_.dim, L.attn_norm, c_.norm_eps, 0, nullptr};
+    if (li == 0 && embed_in_prep) {
+      norm.d_tokens = tokens;
+      norm.embd = static_cast<const uint8_t*>(embd_);
+      norm.embd_type = e.type;
+      norm.embd_row_bytes = e.row_bytes;
+      norm.d_embed_x = x_;
+    }
     const cuda::KvArgs kv{L.k, L.v, kv_elem_ == 2, block_size_, max_blocks_, table_, kv_q8_, L.ks, L.vs};
-    run_qkv(L, norm, n, pos, seq, kv, attn_folded ? &folded : nullptr);
+    stage_ = kQkv;
     ActBuf* wo_in = attention_output_act(L.wo, n);  // null for tiled attention
-    if (flash_now_)
-      cuda::flash_attention(qkv_, qkv_ld, d_tiles_, n_tiles_, (int)c_.n_heads, (int)c_.n_kv_heads, hd, kv, att_, stream_);
-    else
-      cuda::attention(qkv_, qkv_ld, k_off, n, pos, seq, (int)c_.n_heads, (int)c_.n_kv_heads, hd, n_ctx_, kv, att_,
-                      stream_, split_attention_ ? &attn_scratch_ : nullptr, wo_in);
+    run_qkv(L, norm, n, pos, seq, kv, attn_folded ? &folded : nullptr);
+    queue(kAttn, [&] {
+      if (flash_now_)
+        cuda::flash_attention(qkv_, qkv_ld, d_tiles_, n_tiles_, (int)c_.n_heads, (int)c_.n_kv_heads, hd, kv, att_,
+                              stream_);
+      else
+        cuda::attention(qkv_, qkv_ld, k_off, n, pos, seq, (int)c_.n_heads, (int)c_.n_kv_heads, hd, n_ctx_, kv, att_,
+                        stream_, split_attention_ ? &attn_scratch_ : nullptr, wo_in);
+      return true;
+    });
     cuda::PrepArgs plain{cuda::Prep::Plain, att_, q_dim, nullptr, 0, 0, nullptr};
+    stage_ = kWo;
     const bool ffn_folded = run_residual(L.wo, plain, n, wo_in != nullptr, L.ffn_norm, &L.gate_up);
     const ActBuf* ffn_in = ffn_folded ? &folded : nullptr;
     cuda::PrepArgs norm2{cuda::Prep::RmsNorm, x_, c_.dim, L.ffn_norm, c_.norm_eps, 0, nullptr};
+    stage_ = kGateUp;
     const bool glu_done = n == 1 && run_gate_up_swiglu(L, norm2, ffn_off, ffn_in);
     if (!glu_done) run_linear(L.gate_up, norm2, n, gu_, gu_ld, gu_ld, false, false, ffn_in);
     cuda::PrepArgs glu{cuda::Prep::SwiGlu, gu_, gu_ld, nullptr, 0, ffn_off, nullptr};
     // The last layer's down product may prepare the head's input (a one-token step wanting its one row; a
     // batched head reads the rows it wants, not the step's tokens).
     const bool to_head = !next && n == 1 && n_out == 1;
+    stage_ = kDown;
+    const ActBuf* down_in = glu_done ? nullptr : glu_input(L.down, n, ffn_off);
     attn_folded = run_residual(L.down, glu, n, glu_done, next ? next->attn_norm : to_head ? out_norm_ : nullptr,
-                               next ? &next->qkv : to_head ? &head_ : nullptr);
+                               next ? &next->qkv : to_head ? &head_ : nullptr, down_in);
   }
   if (n_out > 0) {
     cuda::PrepArgs fin{cuda::Prep::RmsNorm, x_, c_.dim, out_norm_, c_.norm_eps, 0, rows};
+    stage_ = kHead;
+    if (fused_argmax(n_out, out)) {
+      const Matrix& m = head_.mats[0];
+      if (!attn_folded) prepare_inputs(fin, head_, 1, false);
+      const ActBuf& x = attn_folded ? folded : act(m.act(), m.k);
+      queue(kHead, [&] { return cuda::matvec1_argmax(m, x, logits_, c_.vocab_size, argmax_key(), stream_); });
+      MERLIN_CUDA_CHECK(cudaMemcpyAsync(h_ids_ + max_batch_, argmax_key(), sizeof(unsigned long long),
+                                        cudaMemcpyDeviceToHost, stream_));
+      return;
+    }
     run_linear(head_, fin, n_out, logits_, c_.vocab_size, c_.vocab_size, false, false, attn_folded ? &folded : nullptr);
     if (out == Output::GreedyIds) {
-      cuda::argmax_rows(logits_, c_.vocab_size, n_out, c_.vocab_size, d_ids_, stream_);
+      queue(kArgmax, [&] { return cuda::argmax_rows(logits_, c_.vocab_size, n_out, c_.vocab_size, d_ids_, stream_), true; });
       MERLIN_CUDA_CHECK(cudaMemcpyAsync(h_ids_, d_ids_, (size_t)n_out * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
     } else if (out == Output::Logits) {
       MERLIN_CUDA_CHECK(cudaMemcpyAsync(h_logits_, logits_, (size_t)n_out * c_.vocab_size * sizeof(float),
@@ -732,6 +853,11 @@ int CudaBackend::run_step(const Batch& batch, Output out) {
   }
   if (out == Output::DeviceLogits) queue_sampling(n_out);
   MERLIN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (fused_argmax(n_out, out)) {
+    unsigned long long key;
+    std::memcpy(&key, h_ids_ + max_batch_, sizeof key);
+    h_ids_[0] = cuda::argmax_key_row(key);
+  }
   return n_out;
 }
 

@@ -786,6 +786,7 @@ void matmul(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, in
   MERLIN_CHECK(!x.rms_part || (n == x.rms_rows && (n == 1 || reads_deferred_norm(w, n))),
                "matmul: this product cannot read a deferred RMSNorm (ActBuf::rms_part) of ", x.rms_rows, " rows as ", n,
                " tokens");
+  MERLIN_CHECK(!x.glu_src || n == 1, "matmul: a SwiGLU row (ActBuf::glu_src) is read by single-token products only");
   if (n == 1 && matvec1(w, x, d_y, n_out_rows, accumulate, stream)) return;
   launch_product(w.fmt, product_args(w, x, n, d_y, ldy, n_out_rows, accumulate), stream);
 }
@@ -818,6 +819,7 @@ void matmul_prep(const Matrix& w, const PrepArgs& prep, ActBuf& x, int n, float*
     return;
   }
   MERLIN_CHECK(x.kind == w.act() && x.k == w.k && n <= x.n_cap, "matmul: activation buffer does not fit the matrix");
+  MERLIN_CHECK(!prep.d_tokens, "matmul_prep: embedding rows are prepared by prep_act only");
   MmArgs p = product_args(w, x, n, d_y, ldy, n_out_rows, accumulate);
   p.fuse_prep = 1;
   p.prep = prep;

@@ -37,269 +37,11 @@
 #include "kernels/cuda/matrix_layout.cuh"
 #include "kernels/cuda/matvec1.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/matvec1_rounds.cuh"
 #include "kernels/cuda/rope_kv.cuh"
 
 namespace merlin::cuda {
 namespace {
-
-constexpr int kWarps = 8;       // a CTA of the plain and Glu variants
-constexpr int kNormWarps = 16;  // a CTA of the Norm variant (see warps_of)
-constexpr int kRound = 4;              // chunks per round: one Q4_K super-block, two TQ2_0 super-blocks
-constexpr int64_t kMaxK = 65536;       // longest row whose activations fit the staged shared memory
-constexpr int64_t kKBucket = 4096;     // occupancy is tabulated per bucket of k (shared memory grows with k)
-constexpr int kBuckets = (int)(kMaxK / kKBucket);
-
-struct Mv1Args {
-  const uint8_t* q;
-  const uint8_t* s;
-  int64_t k;
-  int n_steps, n_chunks, n_super, tiles;
-  int lsplit;        // log2 S: warps per tile
-  int rounds;        // rounds per warp per tile: ceil(n_chunks / (kRound * S))
-  int groups;        // tile groups of 8 / S tiles
-  const int8_t* xq;
-  const float* xs;
-  float* y;
-  int64_t n_out;
-  int accumulate;
-  int resid_early;  // accumulate: the CTA's first group reads its residual rows right after pdl_wait
-  int x_early;      // stage_x requests the thread's first step before the deferred norm's sums
-  int rope_on;      // 1: y is the stacked QKV product, finished by rope_store (matmul_rope_kv)
-  RopeKvArgs rope;
-  int glu_up_tile;  // Glu variant: first tile of the up rows
-  int glu_tiles;    // Glu variant: tiles of outputs (ffn / 16) in each half
-  ActBuf glu_out;   // Glu variant: the down product's input (Q8_0, F16, BF16 or F32), row 0
-  const double* rms_part;  // deferred RMSNorm of the staged row (ActBuf::rms_part), or null
-  float rms_eps;
-  const float* norm_w;     // Norm variant: the next RMSNorm's weight of each output row
-  ActBuf norm_out;         // Norm variant: Q8_0 codes of y * norm_w, unnormalised block scales (row 0)
-  double* norm_part;       // Norm variant: per block of 32 outputs, the sum of y^2
-};
-
-// Epilogues of the kernel: plain rows, SwiGLU of stacked gate/up rows, or plain rows plus the next RMSNorm's
-// input with a deferred scale (matvec1_norm).
-enum Epi : int { kEpiPlain = 0, kEpiGlu = 1, kEpiNorm = 2 };
-
-// Scale words per round: per k-step (Q8_0, Q4_0: half2 of rows g, g + 8; MXFP4: their e8m0 bytes), per
-// super-block (TQ2_0: half2), none (Q4_K: two 16-byte headers instead).
-__host__ __device__ constexpr int round_scales(int f) {
-  return f == kQ8_0 ? kRound : f == kTQ2 ? 2 : 1;
-}
-
-template <int F>
-struct Round {
-  uint4 w[kRound];
-  uint32_t s[round_scales(F)];
-  uint4 h[F == kQ4_K ? 2 : 1];
-  uint4 sv[F == kQ4_0 ? 2 : 1];  // Q4_0 / MXFP4: the round's grouped scales (matrix_layout.cuh)
-};
-
-// Scale word of k-step j (0..7) of a round, rows g and g + 8: Q4_0 a half2, MXFP4 two e8m0 bytes.
-template <int F>
-__device__ __forceinline__ uint32_t scale_word(const Round<F>& r, int j) {
-  if constexpr (F == kQ4_0) {
-    const uint4& v = r.sv[j >> 2];
-    const int w = j & 3;
-    return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
-  } else {
-    const uint4& v = r.sv[0];
-    const int w = j >> 1;
-    const uint32_t b = w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
-    return (j & 1) ? b >> 16 : b & 0xFFFFu;
-  }
-}
-
-// Loads round (tile, chunks c0 .. c0 + 3); nc is 0 for a tile past the end, so nothing is loaded. X (exact):
-// every round that starts is whole (n_chunks % kRound == 0, and for Q4_0 / MXFP4 an even n_steps), so the
-// chunks need no predicate and load from one address at immediate offsets.
-template <int F, bool X>
-__device__ __forceinline__ void load_round(const Mv1Args& p, int tile, int c0, int nc, int lane, Round<F>& r) {
-  const int g = lane >> 2;
-  if constexpr (X) {
-    if (c0 >= nc) return;
-    const uint4* qp = reinterpret_cast<const uint4*>(p.q) + ((int64_t)tile * p.n_chunks + c0) * 32 + lane;
-#pragma unroll
-    for (int u = 0; u < kRound; ++u) r.w[u] = load_stream(qp + u * 32);
-  } else {
-    const uint4* qp = reinterpret_cast<const uint4*>(p.q) + (int64_t)tile * p.n_chunks * 32 + lane;
-#pragma unroll
-    for (int u = 0; u < kRound; ++u)
-      if (c0 + u < nc) r.w[u] = load_stream(qp + (int64_t)(c0 + u) * 32);
-    if (c0 >= nc) return;
-  }
-  const int step0 = c0 * steps_per_chunk(F);
-  // Scale indices past the end are clamped rather than predicated (those scales are never used): with
-  // unpredicated loads ptxas fits Q4_0 in 80 registers without spills; Q8_0 is the opposite (it spills with
-  // clamping, and at 128 registers does not with predication). Found with -Xptxas -v, not by reasoning.
-  if constexpr (F == kQ8_0) {
-    const uint32_t* sp = reinterpret_cast<const uint32_t*>(p.s) + ((int64_t)tile * p.n_steps + step0) * 8 + g;
-#pragma unroll
-    for (int j = 0; j < round_scales(F); ++j)
-      if (X || step0 + j < p.n_steps) r.s[j] = __ldg(sp + j * 8);
-  } else if constexpr (F == kQ4_0) {  // rounds start at multiples of 8 steps: one scale group
-    const uint4* sp = reinterpret_cast<const uint4*>(
-        reinterpret_cast<const uint16_t*>(p.s) + grouped_scale_index(tile, p.n_steps, step0, g));
-    r.sv[0] = __ldg(sp);
-    r.sv[1] = __ldg(sp + 1);
-  } else if constexpr (F == kMXFP4) {
-    r.sv[0] = __ldg(reinterpret_cast<const uint4*>(p.s + grouped_scale_index(tile, p.n_steps, step0, g)));
-  } else if constexpr (F == kTQ2) {  // n_steps % 8 == 0: a round's chunks cover whole super-blocks
-    const uint32_t* sp = reinterpret_cast<const uint32_t*>(p.s) + (int64_t)tile * p.n_super * 8 + g;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) r.s[j] = __ldg(sp + (int64_t)min(step0 / 8 + j, p.n_super - 1) * 8);
-  } else {  // Q4_K: n_chunks % 4 == 0, so a started round is a whole super-block
-    const uint4* hp = reinterpret_cast<const uint4*>(p.s) + ((int64_t)tile * p.n_super + step0 / 8) * 16;
-    r.h[0] = __ldg(hp + g);
-    r.h[1] = __ldg(hp + g + 8);
-  }
-}
-
-// The two halves of a 32-bit scale word (rows g and g + 8) as floats.
-__device__ __forceinline__ float2 half2_bits(uint32_t b) {
-  return make_float2(half_bits_to_f32((uint16_t)(b & 0xFFFFu)), half_bits_to_f32((uint16_t)(b >> 16)));
-}
-
-__device__ __forceinline__ int dp4a(uint32_t a, uint32_t b, int c) { return __dp4a((int)a, (int)b, c); }
-
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  uint32_t r;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
-  return r;
-}
-
-// MXFP4: dot product of 8 codes (one 32-bit word of a chunk; nibbles in the order v0 v8 v1 v9 v2 v10 v3 v11)
-// with the activations staged in that order (xa, xb). The codes index prmt directly (a selector nibble
-// picks a byte, or with bit 3 set replicates that byte's sign): lookup P' with the code gives P[c] + 1 for
-// c in 1..7, P[0] = 0 for c = 0 and 0 for c >= 8; lookup N with c ^ 8 gives N[c - 8] (the negative values)
-// for c >= 8 and -1 for c in 1..7, 0 for c = 0. Their bytewise sum is the value; dp4a is linear, so the two
-// lookups are dotted separately and no bytewise add (with its carries) is needed.
-__device__ __forceinline__ int mxfp4_dot(uint32_t w, uint32_t xa, uint32_t xb, int acc) {
-  constexpr uint32_t kPLo = 0x04030200u, kPHi = 0x0D090705u;  // P' = {0, 2, 3, 4, 5, 7, 9, 13}
-  constexpr uint32_t kNLo = 0xFDFEFF00u, kNHi = 0xF4F8FAFCu;  // N = -{0, 1, 2, 3, 4, 6, 8, 12}
-  const uint32_t wn = w ^ 0x88888888u;
-  acc = dp4a(prmt(kPLo, kPHi, w), xa, acc);
-  acc = dp4a(prmt(kNLo, kNHi, wn), xa, acc);
-  acc = dp4a(prmt(kPLo, kPHi, w >> 16), xb, acc);
-  return dp4a(prmt(kNLo, kNHi, wn >> 16), xb, acc);
-}
-
-// Staged activations of k-step `step` for lane column group t: Q8_0 layout x[4t..4t+3], x[16+4t..16+4t+3];
-// MXFP4 the same bytes interleaved as the nibbles of a code word (see stage_x).
-__device__ __forceinline__ uint2 x_at(const uint2* xq, int step, int t) { return xq[step * 4 + t]; }
-
-// One round of a warp: adds rows g and g + 8's partial sums over this lane's columns to acc0 / acc1.
-template <int F, bool X>
-__device__ __forceinline__ void compute_round(const Mv1Args& p, const Round<F>& r, int c0, int nc, const uint2* xq,
-                                              const float* xs, int t, float& acc0, float& acc1) {
-  if (c0 >= nc) return;
-  constexpr uint32_t kLo = 0x0F0F0F0Fu;
-  if constexpr (F == kQ8_0) {
-#pragma unroll
-    for (int u = 0; u < kRound; ++u) {
-      const int step = c0 + u;
-      if (!X && step >= nc) break;
-      const uint2 x = x_at(xq, step, t);
-      const int d0 = dp4a(r.w[u].x, x.x, dp4a(r.w[u].z, x.y, kIntBias));
-      const int d1 = dp4a(r.w[u].y, x.x, dp4a(r.w[u].w, x.y, kIntBias));
-      const float2 ws = half2_bits(r.s[u]);
-      const float sx = xs[step];
-      acc0 = fmaf(biased_to_float(d0), ws.x * sx, acc0);
-      acc1 = fmaf(biased_to_float(d1), ws.y * sx, acc1);
-    }
-  } else if constexpr (F == kQ4_0 || F == kMXFP4) {
-#pragma unroll
-    for (int u = 0; u < kRound; ++u) {
-      if (!X && c0 + u >= nc) break;
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int step = (c0 + u) * 2 + j;
-        if (!X && step >= p.n_steps) break;  // the last chunk of an odd n_steps has no second step
-        const uint32_t w0 = j == 0 ? r.w[u].x : r.w[u].z, w1 = j == 0 ? r.w[u].y : r.w[u].w;  // rows g, g + 8
-        const uint32_t sw = scale_word<F>(r, 2 * u + j);
-        if constexpr (F == kQ4_0) {
-          // Codes are value + 8: dot(code, x) - 8 * sum(x); the correction -8 * sum(x) of the lane's 8 bytes
-          // and the block scale come staged with them (stage_x), one 16-byte shared load per step.
-          const uint4 xv = reinterpret_cast<const uint4*>(xq)[step * 4 + t];
-          const int corr = (int)xv.z;  // includes kIntBias
-          const float sx = __int_as_float((int)xv.w);
-          const int d0 = dp4a(w0 & kLo, xv.x, dp4a((w0 >> 4) & kLo, xv.y, corr));
-          const int d1 = dp4a(w1 & kLo, xv.x, dp4a((w1 >> 4) & kLo, xv.y, corr));
-          const float2 ws = half2_bits(sw);
-          acc0 = fmaf(biased_to_float(d0), ws.x * sx, acc0);
-          acc1 = fmaf(biased_to_float(d1), ws.y * sx, acc1);
-        } else {
-          const uint2 x = x_at(xq, step, t);
-          const float sx = xs[step];
-          const int d0 = mxfp4_dot(w0, x.x, x.y, kIntBias), d1 = mxfp4_dot(w1, x.x, x.y, kIntBias);
-          acc0 = fmaf(biased_to_float(d0), e8m0_half((uint8_t)(sw & 0xFF)) * sx, acc0);
-          acc1 = fmaf(biased_to_float(d1), e8m0_half((uint8_t)((sw >> 8) & 0xFF)) * sx, acc1);
-        }
-      }
-    }
-  } else if constexpr (F == kQ4_K) {
-    // The round is one super-block (8 sub-blocks of 32): value = d * sc_j * q - dmin * m_j, q in 0..15. Sums
-    // stay integer over the super-block: S1 = sum_j sc_j dot(q, x), S2 = sum_j m_j sum(x) (dp4a with m_j in
-    // every byte), then one float step with d, dmin and the activation's super-block scale.
-    int s1[2] = {0, 0}, s2[2] = {0, 0};
-    uint32_t sc[2][2], mn[2][2];  // [row][sub-blocks 0-3 / 4-7]: the 6-bit scales and mins, one per byte
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      const uint4 h = r.h[rr];
-      sc[rr][0] = h.y & 0x3F3F3F3Fu;
-      mn[rr][0] = h.z & 0x3F3F3F3Fu;
-      sc[rr][1] = (h.w & kLo) | ((h.y >> 2) & 0x30303030u);
-      mn[rr][1] = ((h.w >> 4) & kLo) | ((h.z >> 2) & 0x30303030u);
-    }
-#pragma unroll
-    for (int u = 0; u < kRound; ++u) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int i = 2 * u + j, step = c0 * 2 + i;
-        const uint32_t w0 = j == 0 ? r.w[u].x : r.w[u].z, w1 = j == 0 ? r.w[u].y : r.w[u].w;
-        const uint2 x = x_at(xq, step, t);
-        const uint32_t wr[2] = {w0, w1};
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          const int d = dp4a(wr[rr] & kLo, x.x, dp4a((wr[rr] >> 4) & kLo, x.y, 0));
-          const int scj = (int)((sc[rr][i >> 2] >> (8 * (i & 3))) & 0xFF);
-          const uint32_t m4 = prmt(mn[rr][i >> 2], 0, (uint32_t)(i & 3) * 0x1111u);  // m_j in all 4 bytes
-          s1[rr] += scj * d;
-          s2[rr] = dp4a(m4, x.x, dp4a(m4, x.y, s2[rr]));
-        }
-      }
-    }
-    const float sx = xs[c0 * 2];  // Q8_K: the super-block's d, repeated per block
-    const float2 dm0 = half2_bits(r.h[0].x);
-    const float2 dm1 = half2_bits(r.h[1].x);
-    acc0 = fmaf(sx, dm0.x * (float)s1[0] - dm0.y * (float)s2[0], acc0);
-    acc1 = fmaf(sx, dm1.x * (float)s1[1] - dm1.y * (float)s2[1], acc1);
-  } else {  // kTQ2: 4 k-steps per chunk in bit pairs, value = code - 1; two chunks per super-block
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int cb = c0 + 2 * half;
-      if (cb >= nc) break;  // n_chunks is even: super-blocks are whole
-      int s0 = 0, s1 = 0, corr = kIntBias;  // super-block sums stay below 2^18
-#pragma unroll
-      for (int u = 2 * half; u < 2 * half + 2; ++u) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int step = (c0 + u) * 4 + j;
-          const uint32_t c = j == 0 ? r.w[u].x : j == 1 ? r.w[u].y : j == 2 ? r.w[u].z : r.w[u].w;
-          const uint2 x = x_at(xq, step, t);
-          // bit pairs: row g cols 4t.. (bits 0-1 of each byte), row g + 8 (2-3), row g cols 16+4t.. (4-5),
-          // row g + 8 (6-7)
-          s0 = dp4a(c & 0x03030303u, x.x, dp4a((c >> 4) & 0x03030303u, x.y, s0));
-          s1 = dp4a((c >> 2) & 0x03030303u, x.x, dp4a((c >> 6) & 0x03030303u, x.y, s1));
-          corr = dp4a(0xFFFFFFFFu, x.x, dp4a(0xFFFFFFFFu, x.y, corr));  // - sum(x): the codes are value + 1
-        }
-      }
-      const float sx = xs[cb * 4];
-      const float2 ws = half2_bits(r.s[half]);
-      acc0 = fmaf(biased_to_float(s0 + corr), ws.x * sx, acc0);
-      acc1 = fmaf(biased_to_float(s1 + corr), ws.y * sx, acc1);
-    }
-  }
-}
 
 // Copies the token's activation codes and block scales to shared memory. Step s's 32 codes become 4 groups
 // of 8 bytes, group t = the bytes lane t multiplies: x[4t..4t+3], x[16+4t..16+4t+3], for MXFP4 interleaved
@@ -350,11 +92,50 @@ __device__ __forceinline__ void stage_step(uint8_t* sm, int64_t k, int s, uint4 
   reinterpret_cast<float*>(sm + k)[s] = scale;
 }
 
+// A row given as SwiGLU of the gate/up row (glu_src): a warp per block of 32, lane = element, quantized by
+// warp_q8_0 as prep_act's emit quantizes it (the same codes and half-rounded scale), into a scratch row, then
+// staged from there as a loaded row. The gate and up values of kU blocks per warp are requested before the
+// first is used, so the L2 round trips overlap.
+template <int F, int W>
+__device__ __forceinline__ void stage_glu(const Mv1Args& p, uint8_t* sm) {
+  constexpr int kU = 4;
+  const int kb = (int)(p.k / 32), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int8_t* codes = reinterpret_cast<int8_t*>(sm + p.glu_scratch);
+  float* scales = reinterpret_cast<float*>(sm + p.glu_scratch + p.k);
+  for (int b0 = warp; b0 < kb; b0 += W * kU) {
+    float g[kU], u[kU];
+#pragma unroll
+    for (int j = 0; j < kU; ++j) {
+      const int64_t i = (int64_t)(b0 + j * W) * 32 + lane;
+      g[j] = b0 + j * W < kb ? p.glu_src[i] : 0.0f;
+      u[j] = b0 + j * W < kb ? p.glu_src[i + p.glu_offset] : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < kU; ++j) {
+      const int b = b0 + j * W;
+      if (b >= kb) break;  // warp-uniform
+      float amax;
+      codes[(int64_t)b * 32 + lane] = (int8_t)warp_q8_0(swiglu(g[j], u[j]), amax);
+      if (lane == 0) scales[b] = round_to_half(amax / 127.0f);
+    }
+  }
+  __syncthreads();
+  const uint4* src = reinterpret_cast<const uint4*>(codes);
+  for (int s = threadIdx.x; s < kb; s += W * 32) stage_step<F>(sm, p.k, s, src[2 * s], src[2 * s + 1], scales[s]);
+  __syncthreads();
+}
+
 // The thread's first step is requested before the deferred norm's sums of squares, so that the two L2 round
 // trips overlap instead of following each other (rows of up to W * 32 blocks, every row here but the
 // longest, have no other step).
 template <int F, int W>
 __device__ __forceinline__ void stage_x(const Mv1Args& p, uint8_t* sm) {
+  if constexpr (reads_q8_0<F>()) {
+    if (p.glu_src) {
+      stage_glu<F, W>(p, sm);
+      return;
+    }
+  }
   constexpr int kT = W * 32;
   const int kb = (int)(p.k / 32), s0 = threadIdx.x;
   const uint4* src = reinterpret_cast<const uint4*>(p.xq);  // activation buffers are 256-byte aligned
@@ -403,10 +184,11 @@ __device__ __forceinline__ void emit_norm(const Mv1Args& p, int64_t row, float y
 // work instead of after it: the same sums, one memory round trip less at the end of a decode step's kernel.
 // Norm: S >= 2 (the host sees to it), so whole warps hold 32 consecutive rows, one Q8_0 block of the next
 // RMSNorm's input, which emit_norm writes from the rows' final values (nw: the thread's row's norm weight).
-template <bool Norm, int W>
+// Argmax: `best` is the largest key of the rows this thread wrote.
+template <bool Norm, int W, bool Argmax = false>
 __device__ __forceinline__ void finish_group(const Mv1Args& p, int grp, int warp, int lane, float acc0, float acc1,
                                              float (*red)[16], const RopeTarget& at, bool early, float res0,
-                                             float res1, float nw) {
+                                             float res1, float nw, unsigned long long& best) {
   // The 4 lanes of a row: xor shuffles give every lane the same sum (float addition is commutative).
   acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
   acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
@@ -425,6 +207,10 @@ __device__ __forceinline__ void finish_group(const Mv1Args& p, int grp, int warp
       const int64_t r0 = ((int64_t)grp * tpg + warp) * 16 + (lane >> 2);
       if (r0 < p.n_out) p.y[r0] = p.accumulate ? (early ? res0 : p.y[r0]) + acc0 : acc0;
       if (r0 + 8 < p.n_out) p.y[r0 + 8] = p.accumulate ? (early ? res1 : p.y[r0 + 8]) + acc1 : acc1;
+      if constexpr (Argmax) {  // not accumulating (the host sees to it)
+        if (r0 < p.n_out) best = max(best, argmax_key(acc0, r0));
+        if (r0 + 8 < p.n_out) best = max(best, argmax_key(acc1, r0 + 8));
+      }
     }
     return;
   }
@@ -453,6 +239,7 @@ __device__ __forceinline__ void finish_group(const Mv1Args& p, int grp, int warp
       }
     } else if (act && row < p.n_out) {
       p.y[row] = p.accumulate ? (early ? res0 : p.y[row]) + v : v;
+      if constexpr (Argmax) best = max(best, argmax_key(v, row));
     }
   }
   // No second barrier: the next group uses the other half of the (double) red buffer, and a warp can only
@@ -541,9 +328,23 @@ __device__ __forceinline__ float norm_weight(const Mv1Args& p, int grp) {
 // cover the SMs once (macbook's Wo and down), at 1 CTA per SM instead of 2.
 __host__ __device__ constexpr int warps_of(int epi) { return epi == kEpiNorm ? kNormWarps : kWarps; }
 
+// Argmax: the CTA's largest key (a warp shuffle tree, then warp 0 over the warps), one atomicMax per CTA.
+template <int W>
+__device__ __forceinline__ void publish_argmax(const Mv1Args& p, unsigned long long best) {
+  __shared__ unsigned long long warp_best[W];
+  for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
+  if ((threadIdx.x & 31) == 0) warp_best[threadIdx.x >> 5] = best;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < W; ++w) best = max(best, warp_best[w]);
+    if (best != 0ull) atomicMax(p.argmax, best);
+  }
+}
+
 template <int F, int MB, int E, bool X>
 __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
-  constexpr bool Glu = E == kEpiGlu, Norm = E == kEpiNorm;
+  constexpr bool Glu = E == kEpiGlu, Norm = E == kEpiNorm, Argmax = E == kEpiArgmax;
+  unsigned long long best = 0ull;
   constexpr int W = warps_of(E);
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float red[2][W][16];
@@ -591,7 +392,7 @@ __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
     compute_round<F, X>(p, now, chunk_of(cur), nc_of(cur), xq, xs, t, acc0, acc1);
     if (cur.r == p.rounds - 1) {
       if constexpr (Glu) finish_glu(p, cur.grp, warp, lane, acc0, acc1, red[parity]);
-      else finish_group<Norm, W>(p, cur.grp, warp, lane, acc0, acc1, red[parity], at, early, res0, res1, nw);
+      else finish_group<Norm, W, Argmax>(p, cur.grp, warp, lane, acc0, acc1, red[parity], at, early, res0, res1, nw, best);
       early = false;
       if constexpr (Norm) {
         if (i + 1 < n_items) nw = norm_weight<W>(p, nx.grp);  // requested before the next group's rounds
@@ -605,19 +406,26 @@ __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
     item(i, ra, rb);
     if (i + 1 < n_items) item(i + 1, rb, ra);
   }
+  if constexpr (Argmax) publish_argmax<W>(p, best);
 }
 
 // Staged activation bytes (stage_x): codes and scales, for Q4_0 16 bytes per 8 codes.
 template <int F>
 size_t smem_bytes(int64_t k) { return F == kQ4_0 ? (size_t)k * 2 : (size_t)k + (size_t)(k / 32) * 4; }
+// With a SwiGLU row (stage_glu): the scratch Q8_0 row after the staged bytes, 16-byte aligned.
+template <int F>
+size_t glu_scratch_off(int64_t k) { return (smem_bytes<F>(k) + 15) / 16 * 16; }
+template <int F>
+size_t smem_bytes_glu(int64_t k) { return glu_scratch_off<F>(k) + (size_t)k + (size_t)(k / 32) * 4; }
 
 int g_sm_count = 0;
 int g_split_override = -1;  // set_matvec1_split (tests): log2 of the warps per tile, -1 = chosen per matrix
 // The kernels built per format: the register budget MB (3 only for non-exact plain products, forced by
 // MERLIN_CUDA_MV1=3), the epilogue (Epi) and exact rounds X.
-enum Variant : int { kPlain2, kPlain3, kGlu, kPlainX, kGluX, kNorm, kNormX, kVariants };
+enum Variant : int { kPlain2, kPlain3, kGlu, kPlainX, kGluX, kNorm, kNormX, kArgmax, kArgmaxX, kVariants };
 constexpr int variant_of(int mb, int epi, bool x) {
   return epi == kEpiGlu    ? (x ? kGluX : kGlu)
+         : epi == kEpiArgmax ? (x ? kArgmaxX : kArgmax)
          : epi == kEpiNorm ? (x ? kNormX : kNorm)
          : mb == 3         ? kPlain3
          : x               ? kPlainX
@@ -630,7 +438,8 @@ int g_resident[8][kVariants][kBuckets] = {};
 template <int F, int MB, int E, bool X>
 void prepare_mb() {
   const auto kernel = mv1_kernel<F, MB, E, X>;
-  MERLIN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes<F>(kMaxK)));
+  MERLIN_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes_glu<F>(kMaxK)));
   for (int b = 0; b < kBuckets; ++b)
     MERLIN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&g_resident[F][variant_of(MB, E, X)][b], kernel,
                                                                      warps_of(E) * 32, smem_bytes<F>((b + 1) * kKBucket)));
@@ -643,6 +452,8 @@ void prepare() {
   prepare_mb<F, 3, kEpiPlain, false>();
   prepare_mb<F, 2, kEpiGlu, false>();
   prepare_mb<F, 2, kEpiPlain, true>();
+  prepare_mb<F, 2, kEpiArgmax, false>();
+  prepare_mb<F, 2, kEpiArgmax, true>();
   prepare_mb<F, 2, kEpiGlu, true>();
   prepare_mb<F, 1, kEpiNorm, false>();
   prepare_mb<F, 1, kEpiNorm, true>();
@@ -718,6 +529,7 @@ struct Extra {
   const float* norm_w = nullptr;
   const ActBuf* norm_out = nullptr;
   double* norm_part = nullptr;
+  unsigned long long* argmax = nullptr;
 };
 
 template <int F>
@@ -736,6 +548,9 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
   p.xs = x.scale;
   p.rms_part = x.rms_part;
   p.rms_eps = x.rms_eps;
+  p.glu_src = x.glu_src;
+  p.glu_offset = x.glu_offset;
+  p.glu_scratch = (int64_t)glu_scratch_off<F>(w.k);
   p.y = d_y;
   p.n_out = n_out;
   p.accumulate = accumulate ? 1 : 0;
@@ -753,7 +568,8 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
     p.norm_out = *e.norm_out;
     p.norm_part = e.norm_part;
   }
-  const int epi = e.glu_out ? kEpiGlu : e.norm_out ? kEpiNorm : kEpiPlain;
+  p.argmax = e.argmax;
+  const int epi = e.glu_out ? kEpiGlu : e.norm_out ? kEpiNorm : e.argmax ? kEpiArgmax : kEpiPlain;
   const int mb = epi == kEpiNorm ? 1 : epi != kEpiPlain || mv1_mode() < 2 ? min_blocks(F) : mv1_mode();
   const bool exact = mb != 3 && exact_rounds(F, geo) && !exact_off();
   const int v = variant_of(mb, epi, exact);
@@ -761,8 +577,10 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
   const int64_t ctas = (int64_t)g_sm_count * per_sm;
   choose_split(p, ctas, epi == kEpiGlu, epi == kEpiNorm);
   const unsigned grid = (unsigned)std::min<int64_t>(p.groups, ctas);
-  const size_t smem = smem_bytes<F>(w.k);
-  void (*kernel)(Mv1Args) = v == kGluX     ? mv1_kernel<F, 2, kEpiGlu, true>
+  const size_t smem = x.glu_src ? smem_bytes_glu<F>(w.k) : smem_bytes<F>(w.k);
+  void (*kernel)(Mv1Args) = v == kArgmaxX  ? mv1_kernel<F, 2, kEpiArgmax, true>
+                            : v == kArgmax ? mv1_kernel<F, 2, kEpiArgmax, false>
+                            : v == kGluX   ? mv1_kernel<F, 2, kEpiGlu, true>
                             : v == kGlu    ? mv1_kernel<F, 2, kEpiGlu, false>
                             : v == kNormX  ? mv1_kernel<F, 1, kEpiNorm, true>
                             : v == kNorm   ? mv1_kernel<F, 1, kEpiNorm, false>
@@ -780,10 +598,12 @@ namespace {
 bool dispatch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out_rows, bool accumulate, Stream stream,
               const Extra& e = {}) {
   if (mv1_mode() == 0 || w.k > kMaxK || w.k <= 0 || g_sm_count == 0) {
-    MERLIN_CHECK(!x.rms_part, "matvec1: a row with a deferred RMSNorm needs the single-token kernels");
+    MERLIN_CHECK(!x.rms_part && !x.glu_src, "matvec1: a row with a deferred RMSNorm or SwiGLU needs the single-token kernels");
     return false;
   }
   MERLIN_CHECK(!x.rms_part || x.kind == ActKind::Q8_0, "matvec1: deferred RMSNorm on a non-Q8_0 row");
+  MERLIN_CHECK(!x.glu_src || (matvec1_glu_fits(w) && !x.rms_part && !e.glu_out),
+               "matvec1: a SwiGLU row for a product that cannot compute it while staging");
   const int64_t n_out = std::min(n_out_rows, w.rows);
   if (n_out <= 0) return true;
   switch (w.fmt) {
@@ -876,7 +696,31 @@ bool matvec1_norm(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, b
 
 void set_matvec1_split(int lsplit) { g_split_override = lsplit; }
 
+bool matvec1_argmax_fits(const Matrix& w) {
+  const bool fmt = w.fmt == kQ8_0 || w.fmt == kQ4_0 || w.fmt == kMXFP4 || w.fmt == kQ4_K || w.fmt == kTQ2;
+  return fmt && mv1_mode() != 0 && g_sm_count > 0 && w.k > 0 && w.k <= kMaxK && w.rows <= 0xFFFFFFFFll;
+}
+
+bool matvec1_argmax(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, unsigned long long* d_key,
+                    Stream stream) {
+  if (!matvec1_argmax_fits(w)) return false;
+  MERLIN_CHECK(d_key && n_out > 0, "matvec1_argmax: no key slot or no rows");
+  Extra e;
+  e.argmax = d_key;
+  return dispatch(w, x, d_y, n_out, false, stream, e);
+}
+
+int32_t argmax_key_row(unsigned long long key) { return key == 0ull ? 0 : (int32_t)(0xFFFFFFFFu - (uint32_t)key); }
+
+bool matvec1_glu_fits(const Matrix& w) {
+  return (w.fmt == kQ8_0 || w.fmt == kQ4_0 || w.fmt == kMXFP4) && mv1_mode() != 0 && g_sm_count > 0 && w.k > 0 &&
+         w.k <= kMaxK && w.k % 32 == 0;
+}
+
 void init_matvec1_kernels() {
+  // MERLIN_CUDA_MV1_SPLIT=L (A/B timing): log2 of the warps per tile for every single-token product (clamped to
+  // what each epilogue allows), as set_matvec1_split does for the tests.
+  if (const char* v = std::getenv("MERLIN_CUDA_MV1_SPLIT")) g_split_override = std::atoi(v);
   int dev = 0;
   MERLIN_CUDA_CHECK(cudaGetDevice(&dev));
   prepare<kQ8_0>();

@@ -22,6 +22,19 @@ bool matvec1_half(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, b
 bool matvec1_half_fits(const Matrix& w);  // the row fits the staged activations
 void init_matvec1_half_kernels();
 
+// Whether a single-token product of w can take a SwiGLU row (ActBuf::glu_src) and compute it while it stages
+// its input, instead of a prep_act(SwiGlu) kernel before it: quantized rows that read Q8_0 (Q8_0, Q4_0, MXFP4).
+bool matvec1_glu_fits(const Matrix& w);
+
+// y = W x for one token (as matvec1) and its argmax in the same kernel: every CTA raises *d_key (zero before the
+// launch) to its largest row's key with atomicMax, and argmax_key_row(key) is the index argmax_rows gives
+// (the first largest value; 0 when every row is NaN). Quantized rows only (matvec1_argmax_fits); false
+// (nothing queued) otherwise.
+bool matvec1_argmax_fits(const Matrix& w);
+bool matvec1_argmax(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, unsigned long long* d_key,
+                    Stream stream);
+int32_t argmax_key_row(unsigned long long key);
+
 // Called once by init_matmul_kernels (never inside a graph capture): kernel attributes and occupancy.
 void init_matvec1_kernels();
 

@@ -65,6 +65,11 @@ struct ActBuf {
   const double* rms_part = nullptr;
   float rms_eps = 0;
   int rms_rows = 0;  // the tokens the producer wrote: a reader must take exactly these (1: row planes)
+  // A single-token Q8_0 row not written at all: its values are silu(glu_src[i]) * glu_src[glu_offset + i] (the
+  // gate/up product's output row), which the product computes and quantizes as prep_act(SwiGlu) would while
+  // it stages its input (matvec1_glu_fits). Set only on the copy of the ActBuf handed to that product.
+  const float* glu_src = nullptr;
+  int64_t glu_offset = 0;
 };
 ActBuf act_alloc(ActKind kind, int64_t k, int n_cap);
 void act_free(ActBuf& a);
@@ -83,6 +88,14 @@ struct PrepArgs {
   float eps = 0;
   int64_t glu_offset = 0;      // SwiGlu: where the up half starts in a row
   const int32_t* d_rows = nullptr;
+  // RmsNorm of the first layer (prep_act only): row t of x is token d_tokens[t]'s row of the embedding table,
+  // which the kernel reads and also writes to d_embed_x (the residual rows, ld apart) as embed() would, so the
+  // step needs no embedding kernel of its own. The same bits as embed() followed by prep_act.
+  const int32_t* d_tokens = nullptr;
+  const uint8_t* embd = nullptr;
+  DType embd_type = DType::F32;
+  size_t embd_row_bytes = 0;
+  float* d_embed_x = nullptr;
 };
 void prep_act(const PrepArgs& p, int n, ActBuf& out, Stream stream);
 
