@@ -196,6 +196,9 @@ class CudaBackend final : public Backend {
   cuda::AttnTile* d_tiles_ = nullptr;
   cuda::AttnScratch attn_scratch_;  // split-K attention for decode-sized steps on long contexts
   bool split_attention_ = true;     // MERLIN_CUDA_SPLITK=0: one CTA per (head, token) over the whole context
+  // This step's tokens all lie within one split's chunk: the unsplit launch gives the same bits without the
+  // splits that would exit at once (base tg128 on the H200: 4,460 -> 4,575 t/s with a 512-position context).
+  bool attn_short_now_ = false;
   std::unique_ptr<cuda::GemmRunner> gemm_;
   size_t kv_elem_;  // bytes per cached element (Q8_0: its int8 code)
   bool kv_q8_ = false;
@@ -696,7 +699,7 @@ void CudaBackend::enqueue(int n, int n_out, Output out) {
                               stream_);
       else
         cuda::attention(qkv_, qkv_ld, k_off, n, pos, seq, (int)c_.n_heads, (int)c_.n_kv_heads, hd, n_ctx_, kv, att_,
-                        stream_, split_attention_ ? &attn_scratch_ : nullptr, wo_in);
+                        stream_, split_attention_ && !attn_short_now_ ? &attn_scratch_ : nullptr, wo_in);
       return true;
     });
     cuda::PrepArgs plain{cuda::Prep::Plain, att_, q_dim, nullptr, 0, 0, nullptr};
@@ -827,8 +830,11 @@ int CudaBackend::run_step(const Batch& batch, Output out) {
   flash_now_ = !graph_step && flash_min_ > 0 && n >= flash_min_ &&
                cuda::flash_attention_supported((int)c_.head_dim(), kv_probe);
   if (flash_now_) n_tiles_ = cuda::make_attention_tiles(batch.pos.data(), batch.seq.data(), n, h_tiles_);
+  attn_short_now_ = attn_scratch_.n_split > 1 &&
+                    *std::max_element(batch.pos.begin(), batch.pos.end()) < attn_scratch_.chunk;
   if (graph_step) {
-    const auto shape = std::make_tuple(n, n_out, (int)out);
+    // A step's graph depends on whether its attention is split (attn_short_now_).
+    const auto shape = std::make_tuple(n, n_out, (int)out + (attn_short_now_ ? 16 : 0));
     auto it = graphs_by_shape_.find(shape);
     if (it == graphs_by_shape_.end()) {
       cudaGraph_t g = nullptr;
