@@ -23,6 +23,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -183,6 +185,13 @@ class CudaBackend final : public Backend {
   // (docs/GPU.md).
   int norm_fold_mm_ = 0;
   unsigned twice_ = 0;  // MERLIN_CUDA_TWICE
+  // MERLIN_CUDA_STEP_TIMING=1 (A/B timing): per graph step, the GPU's span (events around the launch) and the
+  // host's wall time of run_step, averaged and printed to stderr when the backend is destroyed.
+  struct StepTiming {
+    cudaEvent_t start = nullptr, end = nullptr;
+    double gpu_us = 0, wall_us = 0;
+    long steps = 0;
+  } timing_;
   unsigned stage_ = 0;  // the stage enqueue is queuing
   ActBuf norm_act_;         // the next RMSNorm's input as Wo / down write it (matvec1_norm, matmul_norm)
   double* norm_part_ = nullptr;  // its per-block sums of squares, [tokens][dim / 32]
@@ -266,6 +275,10 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   if (const char* f = std::getenv("MERLIN_CUDA_NORM_FOLD_MM")) norm_fold_mm_ = std::clamp(std::atoi(f), 0, kGraphMaxTokens);
   split_attention_ = !env_is("MERLIN_CUDA_SPLITK", "0");
   twice_ = parse_stages(std::getenv("MERLIN_CUDA_TWICE"));
+  if (env_is("MERLIN_CUDA_STEP_TIMING", "1")) {
+    MERLIN_CUDA_CHECK(cudaEventCreate(&timing_.start));
+    MERLIN_CUDA_CHECK(cudaEventCreate(&timing_.end));
+  }
   // Prefill products: from 64 tokens on, dequantizing to halves and cuBLAS beat the batched tensor-core kernel,
   // which reads each weight once per 32 tokens (docs/GPU.md). MERLIN_CUDA_GEMM_MIN=0 keeps every step on it.
   gemm_min_ = 64;
@@ -366,6 +379,13 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
 }
 
 CudaBackend::~CudaBackend() {
+  if (timing_.start) {
+    if (timing_.steps > 0)
+      std::fprintf(stderr, "[cuda] %ld graph steps: GPU span %.1f us, run_step wall %.1f us (mean)\n", timing_.steps,
+                   timing_.gpu_us / (double)timing_.steps, timing_.wall_us / (double)timing_.steps);
+    cudaEventDestroy(timing_.start);
+    cudaEventDestroy(timing_.end);
+  }
   for (auto& [shape, g] : graphs_by_shape_) cudaGraphExecDestroy(g);
   gemm_.reset();
   auto free_linear = [](Linear& l) {
@@ -813,6 +833,8 @@ void CudaBackend::forward_greedy(const Batch& batch, int64_t n_vocab, int32_t* t
 
 // Runs one step (graph replay for decode-sized batches) and waits for it; returns the number of logits rows.
 int CudaBackend::run_step(const Batch& batch, Output out) {
+  const auto wall0 = std::chrono::steady_clock::now();
+  bool captured = false;  // this step captured its graph (not timed)
   validate(batch);
   const int n = (int)batch.size();
   const size_t B = (size_t)max_batch_;
@@ -836,7 +858,8 @@ int CudaBackend::run_step(const Batch& batch, Output out) {
     // A step's graph depends on whether its attention is split (attn_short_now_).
     const auto shape = std::make_tuple(n, n_out, (int)out + (attn_short_now_ ? 16 : 0));
     auto it = graphs_by_shape_.find(shape);
-    if (it == graphs_by_shape_.end()) {
+    captured = it == graphs_by_shape_.end();
+    if (captured) {
       cudaGraph_t g = nullptr;
       MERLIN_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
       try {
@@ -853,12 +876,21 @@ int CudaBackend::run_step(const Batch& batch, Output out) {
       cudaGraphDestroy(g);
       it = graphs_by_shape_.emplace(shape, exec).first;
     }
+    if (timing_.start) MERLIN_CUDA_CHECK(cudaEventRecord(timing_.start, stream_));
     MERLIN_CUDA_CHECK(cudaGraphLaunch(it->second, stream_));
+    if (timing_.start) MERLIN_CUDA_CHECK(cudaEventRecord(timing_.end, stream_));
   } else {
     enqueue(n, n_out, out);
   }
   if (out == Output::DeviceLogits) queue_sampling(n_out);
   MERLIN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (timing_.start && graph_step && !captured) {
+    float ms = 0;
+    MERLIN_CUDA_CHECK(cudaEventElapsedTime(&ms, timing_.start, timing_.end));
+    timing_.gpu_us += 1e3 * ms;
+    timing_.wall_us += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - wall0).count();
+    ++timing_.steps;
+  }
   if (fused_argmax(n_out, out)) {
     unsigned long long key;
     std::memcpy(&key, h_ids_ + max_batch_, sizeof key);
