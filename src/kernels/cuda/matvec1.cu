@@ -110,13 +110,25 @@ __device__ __forceinline__ void stage_glu(const Mv1Args& p, uint8_t* sm) {
       g[j] = b0 + j * W < kb ? p.glu_src[i] : 0.0f;
       u[j] = b0 + j * W < kb ? p.glu_src[i + p.glu_offset] : 0.0f;
     }
+    // warp_q8_0 for kU blocks at once: their max shuffles interleave instead of following each other (max is
+    // exact in any order, so the codes and scales are warp_q8_0's).
+    float v[kU], amax[kU];
+#pragma unroll
+    for (int j = 0; j < kU; ++j) {
+      v[j] = swiglu(g[j], u[j]);
+      amax[j] = fabsf(v[j]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+      for (int j = 0; j < kU; ++j) amax[j] = fmaxf(amax[j], __shfl_xor_sync(0xffffffffu, amax[j], o));
 #pragma unroll
     for (int j = 0; j < kU; ++j) {
       const int b = b0 + j * W;
       if (b >= kb) break;  // warp-uniform
-      float amax;
-      codes[(int64_t)b * 32 + lane] = (int8_t)warp_q8_0(swiglu(g[j], u[j]), amax);
-      if (lane == 0) scales[b] = round_to_half(amax / 127.0f);
+      const float id = amax[j] != 0.0f ? 127.0f / amax[j] : 0.0f;
+      codes[(int64_t)b * 32 + lane] = (int8_t)__float2int_rn(v[j] * id);
+      if (lane == 0) scales[b] = round_to_half(amax[j] / 127.0f);
     }
   }
   __syncthreads();
