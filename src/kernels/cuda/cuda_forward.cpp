@@ -1,0 +1,281 @@
+// CudaBackend (cuda_backend.h): the layers of one forward step, queued on the stream by enqueue(): which
+// kernels run, which steps fold into their neighbours, and where each product reads its input.
+#include "kernels/cuda/cuda_backend.h"
+
+#include <algorithm>
+
+namespace merlin::cuda_backend_detail {
+bool CudaBackend::use_gemm(const Linear& l, int n) const {
+  if (!gemm_ || n < gemm_min_) return false;
+  for (const Matrix& m : l.mats)
+    if (!cuda::gemm_supports(m)) return false;
+  return true;
+}
+
+void CudaBackend::prepare_inputs(const cuda::PrepArgs& p, const Linear& l, int n, bool gemm) {
+  ActKind done[4];
+  int n_done = 0;
+  for (const Matrix& m : l.mats) {
+    const ActKind kind = gemm ? cuda::gemm_act_kind(m) : m.act();
+    if (std::find(done, done + n_done, kind) != done + n_done) continue;
+    ActBuf out = act(kind, m.k);
+    if (gemm) {  // cuBLAS reads the rows only: no fragment-ordered copy for the batched products
+      out.fq = nullptr;
+      out.fs = nullptr;
+      out.fsum = nullptr;
+      out.fhi = nullptr;
+      out.flo = nullptr;
+    }
+    const unsigned stage = p.mode == cuda::Prep::RmsNorm ? kNorm : p.mode == cuda::Prep::SwiGlu ? kGlu : stage_;
+    queue(stage, [&] { return cuda::prep_act(p, n, out, stream_), true; });
+    done[n_done++] = kind;
+  }
+}
+
+// The per-token attention kernel writes Wo's input in its act format as well (one kernel less per layer)
+// when every part of Wo reads the same format and that format is one it can emit.
+ActBuf* CudaBackend::attention_output_act(const Linear& wo, int n) {
+  if (!attn_emits_ || flash_now_ || use_gemm(wo, n)) return nullptr;
+  const ActKind kind = wo.mats[0].act();
+  for (const Matrix& m : wo.mats)
+    if (m.act() != kind) return nullptr;
+  if (!cuda::attention_emits(kind, (int)c_.head_dim())) return nullptr;
+  return &act(kind, wo.mats[0].k);
+}
+
+// QKV product, RoPE and the K/V cache write. Steps that do not go through cuBLAS do the last two in the
+// product's epilogue (matmul_rope_kv: one kernel less per layer, same bits).
+void CudaBackend::run_qkv(const Layer& L, const cuda::PrepArgs& norm, int n, const int32_t* pos, const int32_t* seq,
+                          const cuda::KvArgs& kv, const ActBuf* in) {
+  const int hd = (int)c_.head_dim();
+  const int64_t q_dim = c_.n_heads * hd, kv_dim = c_.kv_dim(), qkv_ld = L.qkv.rows;
+  const int64_t k_off = cuda::padded_rows(q_dim), v_off = k_off + cuda::padded_rows(kv_dim);
+  if (rope_fuse_ && L.qkv.mats.size() == 1 && !use_gemm(L.qkv, n)) {
+    if (!in) prepare_inputs(norm, L.qkv, n, false);
+    const Matrix& m = L.qkv.mats[0];
+    const ActBuf& x = in ? *in : act(m.act(), m.k);
+    const cuda::RopeKvArgs r = rope_args(pos, seq, kv);
+    if (queue(stage_, [&] { return cuda::matmul_rope_kv(m, x, n, qkv_, qkv_ld, r, stream_); })) return;
+    queue(stage_, [&] { return cuda::matmul(m, x, n, qkv_, qkv_ld, qkv_ld, false, stream_), true; });
+  } else {
+    run_linear(L.qkv, norm, n, qkv_, qkv_ld, qkv_ld, false, false, in);
+  }
+  queue(stage_, [&] {
+    cuda::rope_kv(qkv_, qkv_ld, k_off, v_off, n, pos, seq, cos_sin_, (int)c_.n_heads, (int)c_.n_kv_heads, hd,
+                  (int)c_.rot_dims(), kv, stream_);
+    return true;
+  });
+}
+
+cuda::RopeKvArgs CudaBackend::rope_args(const int32_t* pos, const int32_t* seq, const cuda::KvArgs& kv) const {
+  cuda::RopeKvArgs r;
+  r.d_pos = pos;
+  r.d_seq = seq;
+  r.d_cos_sin = cos_sin_;
+  r.hd = (int)c_.head_dim();
+  r.q_dim = c_.n_heads * r.hd;
+  r.kv_dim = c_.kv_dim();
+  r.k_off = cuda::padded_rows(r.q_dim);
+  r.v_off = r.k_off + cuda::padded_rows(r.kv_dim);
+  r.n_rot = (int)c_.rot_dims();
+  r.kv = kv;
+  return r;
+}
+
+// One-token steps: the gate/up product writes silu(gate) * up straight into the down product's input
+// (matvec1_swiglu: one kernel less per layer, same bits). False where it does not apply (nothing queued).
+bool CudaBackend::run_gate_up_swiglu(const Layer& L, const cuda::PrepArgs& norm, int64_t ffn_off, const ActBuf* in) {
+  if (!glu_fuse_ || L.gate_up.mats.size() != 1) return false;
+  const ActKind kind = L.down.mats[0].act();
+  for (const Matrix& m : L.down.mats)
+    if (m.act() != kind || m.k != c_.ffn_dim) return false;
+  const Matrix& m = L.gate_up.mats[0];
+  if (!cuda::swiglu_fuses(m, c_.ffn_dim, ffn_off, kind)) return false;
+  if (!in) prepare_inputs(norm, L.gate_up, 1, false);
+  return queue(stage_, [&] {
+    return cuda::matvec1_swiglu(m, in ? *in : act(m.act(), m.k), c_.ffn_dim, ffn_off, act(kind, c_.ffn_dim), stream_);
+  });
+}
+
+// Whether `producer` (Wo or down, which add to x_) can also write the RMSNorm input of `reader` (gate/up, or
+// the next layer's QKV), so that no RMSNorm kernel runs between them (matvec1_norm for one token,
+// matmul_norm for decode-sized steps: the reader's staged scales get 1 / rms(x) from per-block sums of
+// squares; within rounding of the separate kernel's result, not bit-identical). The reader must take Q8_0
+// rows through the single-token kernels, or through batched ones that stage them (reads_deferred_norm).
+bool CudaBackend::folds_norm(const Linear& producer, const Linear& reader, int n) const {
+  if (!norm_fold_ || fuse_prep_ || producer.mats.size() != 1 || use_gemm(producer, n) || use_gemm(reader, n))
+    return false;
+  if (n > 1 && n > std::min(norm_fold_mm_, norm_act_.n_cap)) return false;
+  for (const Matrix& m : reader.mats) {
+    if (m.act() != ActKind::Q8_0 || m.k != c_.dim) return false;
+    if (n > 1 && !cuda::reads_deferred_norm(m, n)) return false;
+  }
+  const Matrix& m = producer.mats[0];
+  return n == 1 ? cuda::norm_fold_fits(m, c_.dim) : cuda::matmul_norm_fits(m, c_.dim, n) && cuda::matmul_norm_pays(m);
+}
+
+ActBuf CudaBackend::folded_input(int n) const {
+  ActBuf a = norm_act_;
+  a.rms_part = norm_part_;
+  a.rms_eps = c_.norm_eps;
+  a.rms_rows = n;
+  return a;
+}
+
+// x_ += act(p) · l. With a reader (folds_norm), the product also writes the reader's input, RMSNorm(x_) with
+// weights next_norm, into norm_act_ and returns true: the reader takes folded_input().
+bool CudaBackend::run_residual(const Linear& l, const cuda::PrepArgs& p, int n, bool prepared, const float* next_norm,
+                               const Linear* reader, const ActBuf* in) {
+  if (reader && folds_norm(l, *reader, n)) {
+    if (!prepared && !in) prepare_inputs(p, l, n, false);
+    const Matrix& m = l.mats[0];
+    const ActBuf& x = in ? *in : act(m.act(), m.k);
+    if (queue(stage_, [&] {
+          return n == 1 ? cuda::matvec1_norm(m, x, x_, c_.dim, true, next_norm, norm_act_, norm_part_, stream_)
+                        : cuda::matmul_norm(m, x, n, x_, c_.dim, c_.dim, true, next_norm, norm_act_, norm_part_,
+                                            stream_);
+        }))
+      return true;
+    prepared = true;
+  }
+  run_linear(l, p, n, x_, c_.dim, c_.dim, true, prepared, in);
+  return false;
+}
+
+// One-token steps whose SwiGLU did not go into the gate/up product: the down product computes it while it
+// stages its input (ActBuf::glu_src, matvec1_glu_fits), so no SwiGLU kernel runs. Null where it does not
+// apply (then prep_act runs it).
+const ActBuf* CudaBackend::glu_input(const Linear& down, int n, int64_t ffn_off) {
+  if (n != 1 || !glu_stage_ || down.mats.size() != 1 || use_gemm(down, n)) return nullptr;
+  const Matrix& m = down.mats[0];
+  if (m.act() != ActKind::Q8_0 || m.k != c_.ffn_dim || !cuda::matvec1_glu_fits(m)) return nullptr;
+  glu_in_ = act(m.act(), m.k);
+  glu_in_.glu_src = gu_;
+  glu_in_.glu_offset = ffn_off;
+  return &glu_in_;
+}
+
+void CudaBackend::run_linear(const Linear& l, const cuda::PrepArgs& p, int n, float* y, int64_t ldy, int64_t n_out,
+                             bool acc, bool prepared, const ActBuf* in) {
+  if (in) {
+    for (size_t i = 0; i < l.mats.size(); ++i)
+      queue(stage_, [&] {
+        return cuda::matmul(l.mats[i], *in, n, y + l.offset[i], ldy, std::min(n_out - l.offset[i], l.mats[i].rows),
+                            acc, stream_),
+               true;
+      });
+    return;
+  }
+  // With MERLIN_CUDA_FUSE=1, decode-sized steps let each product prepare its own input (one launch instead
+  // of two). Off by default: on the H200 the separate preparation kernel, overlapped by programmatic
+  // dependent launch, was faster than every CTA repeating the row's preparation (docs/GPU.md).
+  if (use_gemm(l, n)) {
+    prepare_inputs(p, l, n, true);
+    for (size_t i = 0; i < l.mats.size(); ++i) {
+      const Matrix& m = l.mats[i];
+      const int64_t rows = std::min(n_out - l.offset[i], m.rows);
+      queue(stage_, [&] { return gemm_->run(m, act(cuda::gemm_act_kind(m), m.k), n, y + l.offset[i], ldy, rows, acc, stream_), true; });
+    }
+    return;
+  }
+  bool fused = fuse_prep_ && !prepared;
+  for (const Matrix& m : l.mats) fused = fused && cuda::prep_fuses(m, n);
+  if (!fused && !prepared) prepare_inputs(p, l, n, false);
+  for (size_t i = 0; i < l.mats.size(); ++i) {
+    const Matrix& m = l.mats[i];
+    ActBuf& x = act(m.act(), m.k);
+    const int64_t rows = std::min(n_out - l.offset[i], m.rows);
+    queue(stage_, [&] {
+      if (fused) cuda::matmul_prep(m, p, x, n, y + l.offset[i], ldy, rows, acc, stream_);
+      else cuda::matmul(m, x, n, y + l.offset[i], ldy, rows, acc, stream_);
+      return true;
+    });
+  }
+}
+
+// Queues one forward step of n tokens (n_out logits rows) on the stream, inputs taken from h_in_; the
+// output (logits rows or their argmax ids) lands in pinned host memory when the stream reaches the end.
+void CudaBackend::enqueue(int n, int n_out, Output out) {
+  const size_t B = (size_t)max_batch_;
+  MERLIN_CUDA_CHECK(cudaMemcpyAsync(d_in_, h_in_, in_words() * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  if (flash_now_)
+    MERLIN_CUDA_CHECK(cudaMemcpyAsync(d_tiles_, h_tiles_, (size_t)n_tiles_ * sizeof(cuda::AttnTile),
+                                      cudaMemcpyHostToDevice, stream_));
+  const int32_t *tokens = d_in_, *pos = d_in_ + B, *seq = d_in_ + 2 * B, *rows = d_in_ + 3 * B;
+  const Weight& e = m_.token_embd();
+  // The first layer's RMSNorm reads the embedding rows itself (PrepArgs::d_tokens) where its input goes through
+  // prep_act (not with products that prepare their own input, MERLIN_CUDA_FUSE=1).
+  const bool embed_in_prep = embed_fuse_ && !fuse_prep_ && !layers_.empty();
+  if (!embed_in_prep)
+    queue(kEmbed, [&] { return cuda::embed(e.type, embd_, e.row_bytes, c_.dim, tokens, n, x_, stream_), true; });
+  const int hd = (int)c_.head_dim();
+  const int64_t q_dim = c_.n_heads * hd, k_off = cuda::padded_rows(q_dim);
+  const int64_t ffn_off = cuda::padded_rows(c_.ffn_dim);
+  const ActBuf folded = folded_input(n);
+  bool attn_folded = false;  // the previous layer's down product wrote this layer's QKV input (run_residual)
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    const Layer& L = layers_[li];
+    const Layer* next = li + 1 < layers_.size() ? &layers_[li + 1] : nullptr;
+    const int64_t qkv_ld = L.qkv.rows, gu_ld = L.gate_up.rows;
+    cuda::PrepArgs norm{cuda::Prep::RmsNorm, x_, c_.dim, L.attn_norm, c_.norm_eps, 0, nullptr};
+    if (li == 0 && embed_in_prep) {
+      norm.d_tokens = tokens;
+      norm.embd = static_cast<const uint8_t*>(embd_);
+      norm.embd_type = e.type;
+      norm.embd_row_bytes = e.row_bytes;
+      norm.d_embed_x = x_;
+    }
+    const cuda::KvArgs kv{L.k, L.v, kv_elem_ == 2, block_size_, max_blocks_, table_, kv_q8_, L.ks, L.vs};
+    stage_ = kQkv;
+    ActBuf* wo_in = attention_output_act(L.wo, n);  // null for tiled attention
+    run_qkv(L, norm, n, pos, seq, kv, attn_folded ? &folded : nullptr);
+    queue(kAttn, [&] {
+      if (flash_now_)
+        cuda::flash_attention(qkv_, qkv_ld, d_tiles_, n_tiles_, (int)c_.n_heads, (int)c_.n_kv_heads, hd, kv, att_,
+                              stream_);
+      else
+        cuda::attention(qkv_, qkv_ld, k_off, n, pos, seq, (int)c_.n_heads, (int)c_.n_kv_heads, hd, n_ctx_, kv, att_,
+                        stream_, split_attention_ && !attn_short_now_ ? &attn_scratch_ : nullptr, wo_in);
+      return true;
+    });
+    cuda::PrepArgs plain{cuda::Prep::Plain, att_, q_dim, nullptr, 0, 0, nullptr};
+    stage_ = kWo;
+    const bool ffn_folded = run_residual(L.wo, plain, n, wo_in != nullptr, L.ffn_norm, &L.gate_up);
+    const ActBuf* ffn_in = ffn_folded ? &folded : nullptr;
+    cuda::PrepArgs norm2{cuda::Prep::RmsNorm, x_, c_.dim, L.ffn_norm, c_.norm_eps, 0, nullptr};
+    stage_ = kGateUp;
+    const bool glu_done = n == 1 && run_gate_up_swiglu(L, norm2, ffn_off, ffn_in);
+    if (!glu_done) run_linear(L.gate_up, norm2, n, gu_, gu_ld, gu_ld, false, false, ffn_in);
+    cuda::PrepArgs glu{cuda::Prep::SwiGlu, gu_, gu_ld, nullptr, 0, ffn_off, nullptr};
+    // The last layer's down product may prepare the head's input (a one-token step wanting its one row; a
+    // batched head reads the rows it wants, not the step's tokens).
+    const bool to_head = !next && n == 1 && n_out == 1;
+    stage_ = kDown;
+    const ActBuf* down_in = glu_done ? nullptr : glu_input(L.down, n, ffn_off);
+    attn_folded = run_residual(L.down, glu, n, glu_done, next ? next->attn_norm : to_head ? out_norm_ : nullptr,
+                               next ? &next->qkv : to_head ? &head_ : nullptr, down_in);
+  }
+  if (n_out > 0) {
+    cuda::PrepArgs fin{cuda::Prep::RmsNorm, x_, c_.dim, out_norm_, c_.norm_eps, 0, rows};
+    stage_ = kHead;
+    if (fused_argmax(n_out, out)) {
+      const Matrix& m = head_.mats[0];
+      if (!attn_folded) prepare_inputs(fin, head_, 1, false);
+      const ActBuf& x = attn_folded ? folded : act(m.act(), m.k);
+      queue(kHead, [&] { return cuda::matvec1_argmax(m, x, logits_, c_.vocab_size, argmax_key(), stream_); });
+      MERLIN_CUDA_CHECK(cudaMemcpyAsync(h_ids_ + max_batch_, argmax_key(), sizeof(unsigned long long),
+                                        cudaMemcpyDeviceToHost, stream_));
+      return;
+    }
+    run_linear(head_, fin, n_out, logits_, c_.vocab_size, c_.vocab_size, false, false, attn_folded ? &folded : nullptr);
+    if (out == Output::GreedyIds) {
+      queue(kArgmax, [&] { return cuda::argmax_rows(logits_, c_.vocab_size, n_out, c_.vocab_size, d_ids_, stream_), true; });
+      MERLIN_CUDA_CHECK(cudaMemcpyAsync(h_ids_, d_ids_, (size_t)n_out * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+    } else if (out == Output::Logits) {
+      MERLIN_CUDA_CHECK(cudaMemcpyAsync(h_logits_, logits_, (size_t)n_out * c_.vocab_size * sizeof(float),
+                                        cudaMemcpyDeviceToHost, stream_));
+    }
+  }
+}
+
+}  // namespace merlin::cuda_backend_detail
