@@ -74,10 +74,13 @@ __device__ __forceinline__ void put_block(ActBuf& o, int t, int64_t block, float
 
 // Q8_0 of one block of 32 held one element per lane: the block's max |v| (amax) and this lane's code, as the CPU
 // quantizes (shared with matvec1.cu's RMSNorm epilogue, which scales the block differently afterwards).
-__device__ __forceinline__ int warp_q8_0(float v, float& amax) {
-  amax = warp_max(fabsf(v));
+__device__ __forceinline__ int q8_0_code(float v, float amax) {  // v's code in a block whose max |v| is amax
   const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
   return __float2int_rn(v * id);
+}
+__device__ __forceinline__ int warp_q8_0(float v, float& amax) {
+  amax = warp_max(fabsf(v));
+  return q8_0_code(v, amax);
 }
 
 // 1 / rms of a row of k elements from its sum of squares (in double, as the CPU reference sums).

@@ -126,8 +126,7 @@ __device__ __forceinline__ void stage_glu(const Mv1Args& p, uint8_t* sm) {
     for (int j = 0; j < kU; ++j) {
       const int b = b0 + j * W;
       if (b >= kb) break;  // warp-uniform
-      const float id = amax[j] != 0.0f ? 127.0f / amax[j] : 0.0f;
-      codes[(int64_t)b * 32 + lane] = (int8_t)__float2int_rn(v[j] * id);
+      codes[(int64_t)b * 32 + lane] = (int8_t)q8_0_code(v[j], amax[j]);
       if (lane == 0) scales[b] = round_to_half(amax[j] / 127.0f);
     }
   }
@@ -471,6 +470,9 @@ void prepare() {
   prepare_mb<F, 1, kEpiNorm, true>();
 }
 
+// The quantized formats the dp4a kernels take (F16/BF16 rows have matvec1_half.cu).
+constexpr bool has_mv1_kernel(int f) { return f == kQ8_0 || f == kQ4_0 || f == kMXFP4 || f == kQ4_K || f == kTQ2; }
+
 // MERLIN_CUDA_MV1 (read once): 0 = off (the general product runs), 2 / 3 = force that register budget
 // (CTAs per SM), unset or anything else = on with the per-format default.
 int mv1_mode() {
@@ -672,7 +674,7 @@ bool swiglu_fuses(const Matrix& w, int64_t ffn, int64_t up_row, ActKind out) {
                      up_row >= ffn && up_row + ffn <= w.rows;
   if (w.fmt == kF16 || w.fmt == kBF16)
     return shape && matvec1_half_fits(w) && (out == ActKind::F16 || out == ActKind::BF16 || out == ActKind::F32);
-  const bool fmt = w.fmt == kQ8_0 || w.fmt == kQ4_0 || w.fmt == kMXFP4 || w.fmt == kQ4_K || w.fmt == kTQ2;
+  const bool fmt = has_mv1_kernel(w.fmt);
   return shape && fmt && out != ActKind::Q8_K && w.k <= kMaxK && ffn % 32 == 0 &&
          (g_split_override >= 0 || plain_split(w) <= 1 || glu_short());
 }
@@ -689,7 +691,7 @@ bool matvec1_swiglu(const Matrix& w, const ActBuf& x, int64_t ffn, int64_t up_ro
 // The Norm epilogue: quantized rows (F16/BF16 rows have their own kernel), whole blocks of 32 outputs, and
 // a Q8_0 reader whose row of n_out elements is staged by the single-token kernels.
 bool norm_fold_fits(const Matrix& w, int64_t n_out) {
-  const bool fmt = w.fmt == kQ8_0 || w.fmt == kQ4_0 || w.fmt == kMXFP4 || w.fmt == kQ4_K || w.fmt == kTQ2;
+  const bool fmt = has_mv1_kernel(w.fmt);
   return fmt && mv1_mode() != 0 && g_sm_count > 0 && w.k > 0 && w.k <= kMaxK && n_out > 0 && n_out % 32 == 0 &&
          n_out <= w.rows && n_out <= kMaxK;
 }
@@ -709,7 +711,7 @@ bool matvec1_norm(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, b
 void set_matvec1_split(int lsplit) { g_split_override = lsplit; }
 
 bool matvec1_argmax_fits(const Matrix& w) {
-  const bool fmt = w.fmt == kQ8_0 || w.fmt == kQ4_0 || w.fmt == kMXFP4 || w.fmt == kQ4_K || w.fmt == kTQ2;
+  const bool fmt = has_mv1_kernel(w.fmt);
   return fmt && mv1_mode() != 0 && g_sm_count > 0 && w.k > 0 && w.k <= kMaxK && w.rows <= 0xFFFFFFFFll;
 }
 
