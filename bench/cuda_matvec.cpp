@@ -43,6 +43,8 @@ double time_matmul(const std::vector<cu::Matrix>& mats, const cu::ActBuf& x, int
   check(cudaEventCreate(&e0), "event");
   check(cudaEventCreate(&e1), "event");
   const int per_rep = 24;
+  // Launched as in a decode step's graph: each product may start while the one before it finishes.
+  const cu::PdlScope pdl;
   std::vector<double> us;
   for (int rep = 0; rep < 7; ++rep) {
     check(cudaEventRecord(e0, s), "record");

@@ -13,6 +13,18 @@ void Backend::forward_greedy(const Batch& batch, int64_t n_vocab, int32_t* token
   for (size_t r = 0; r < batch.n_logits(); ++r) tokens[r] = argmax(logits.data() + r * (size_t)n_vocab, n_vocab);
 }
 
+int Backend::decode_greedy(int32_t token, int32_t pos, int seq, int n_steps, int64_t n_vocab,
+                           const std::function<bool(int32_t)>& on_token) {
+  Batch batch;
+  for (int i = 0; i < n_steps; ++i) {
+    batch.clear();
+    batch.add(token, pos + i, seq, true);
+    forward_greedy(batch, n_vocab, &token);
+    if (!on_token(token)) return i + 1;
+  }
+  return n_steps;
+}
+
 void Backend::forward_sample(const Batch& batch, int64_t n_vocab, std::span<const RowSampling> rows,
                              std::span<const LogitAdjust> adjust, int32_t* tokens) {
   const size_t n_rows = batch.n_logits();

@@ -3,6 +3,7 @@
 // server never know which one runs.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -76,6 +77,15 @@ class Backend {
   // the logits and samples on the host; the CUDA backend samples on the device and copies back only the ids.
   virtual void forward_sample(const Batch& batch, int64_t n_vocab, std::span<const RowSampling> rows,
                               std::span<const LogitAdjust> adjust, int32_t* tokens);
+  // Greedy decoding of one sequence without a host round trip per token: step 0 feeds `token` at position
+  // `pos` of `seq`, step i > 0 feeds step i - 1's greedy id at pos + i, for up to n_steps steps (positions
+  // pos .. pos + n_steps - 1 must be valid). on_token receives the ids in order, the same ids as
+  // forward_greedy step by step; returning false stops. Returns how many ids it delivered. Steps already
+  // queued past a stop have written K/V rows at later positions: no step reads a position before one
+  // writes it again, so they are harmless. The default runs forward_greedy per step; the CUDA backend
+  // replays chains of steps as one graph whose steps take their token from the previous step's argmax.
+  virtual int decode_greedy(int32_t token, int32_t pos, int seq, int n_steps, int64_t n_vocab,
+                            const std::function<bool(int32_t)>& on_token);
   // Forgets everything cached for a sequence (the next token of it starts at position 0).
   virtual void clear_sequence(int seq) = 0;
 

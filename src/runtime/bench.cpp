@@ -44,23 +44,20 @@ double run_pp(const Model& m, Backend& b, const std::vector<int32_t>& tokens) {
   return (double)tokens.size() / (now_seconds() - t0);
 }
 
-// Decode steps sample greedily through forward_greedy, as generate() does: a GPU backend returns token ids,
-// not logits rows.
+// Decode steps sample greedily through decode_greedy, as generate() does: a GPU backend returns token ids,
+// not logits rows, and may run several steps per round trip (each step feeds the previous step's id).
 double run_tg(const Model& m, Backend& b, const std::vector<int32_t>& tokens, bool kv_cache) {
   const int64_t vocab = m.config().vocab_size;
-  int32_t next = 0;
-  Batch batch;
   b.clear_sequence(0);
   const double t0 = now_seconds();
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    if (kv_cache) {
-      batch.clear();
-      batch.add(tokens[i], (int)i, 0, true);
-      b.forward_greedy(batch, vocab, &next);
-    } else {
-      b.clear_sequence(0);
-      prefill(m, b, std::vector<int32_t>(tokens.begin(), tokens.begin() + (long)i + 1), 0, 0, false);
-    }
+  if (kv_cache) {
+    const int n = b.decode_greedy(tokens[0], 0, 0, (int)tokens.size(), vocab, [](int32_t) { return true; });
+    MERLIN_CHECK(n == (int)tokens.size(), "decode_greedy stopped after ", n, " of ", tokens.size(), " steps");
+    return (double)tokens.size() / (now_seconds() - t0);
+  }
+  for (size_t i = 0; i < tokens.size(); ++i) {  // no cache: every token recomputes its whole prefix
+    b.clear_sequence(0);
+    prefill(m, b, std::vector<int32_t>(tokens.begin(), tokens.begin() + (long)i + 1), 0, 0, false);
   }
   return (double)tokens.size() / (now_seconds() - t0);
 }

@@ -44,6 +44,8 @@ class TokenPicker {
       : backend_(backend), sampler_(sampler), vocab_(vocab),
         greedy_(sampler.options().temperature <= 0.0f && sampler.options().repeat_penalty == 1.0f) {}
 
+  bool greedy() const { return greedy_; }
+
   int32_t pick(const Batch& batch) {
     int32_t token = 0;
     if (greedy_) {  // Sampler::sample() reduces to argmax() for these options (sampler.cpp)
@@ -104,10 +106,36 @@ GenerateStats generate(const Model& model, Backend& backend, const std::vector<i
   double t0 = now_seconds();
   int32_t tok = prefill_pick(backend, prompt, opts.seq, picker);
   std::vector<int32_t> seq_tokens = prompt;
-  Batch batch;
+  // A generated token: the sampler sees it, the sequence keeps it, the callback gets it; false: stop here.
+  const auto take = [&](int32_t t) {
+    sampler.accept(t);
+    seq_tokens.push_back(t);
+    if (opts.stop_at_eos && t == eos) {
+      st.stop_reason = "eos";
+      return false;
+    }
+    ++st.n_generated;
+    if (!on_token(t)) {
+      st.stop_reason = "callback";
+      return false;
+    }
+    return true;
+  };
   st.stop_reason = "length";
-  for (int i = 0; i < opts.n_predict; ++i) {
-    if (i > 0) {
+  if (opts.n_predict <= 0) return st;
+  st.prompt_seconds = now_seconds() - t0;
+  t0 = now_seconds();
+  bool go = take(tok);
+  if (go && picker.greedy() && opts.use_kv_cache) {
+    // Plain greedy: the backend may run several steps per round trip (decode_greedy); each step feeds the
+    // previous token at the next position while the context has room.
+    const int want = opts.n_predict - 1, room = backend.n_ctx() - (int)seq_tokens.size();
+    backend.decode_greedy(seq_tokens.back(), (int)seq_tokens.size() - 1, opts.seq, std::min(want, room), vocab,
+                          [&](int32_t t) { return go = take(t); });
+    if (go && want > room) st.stop_reason = "context";
+  } else {
+    Batch batch;
+    for (int i = 1; go && i < opts.n_predict; ++i) {
       if ((int)seq_tokens.size() >= backend.n_ctx()) {
         st.stop_reason = "context";
         break;
@@ -120,21 +148,7 @@ GenerateStats generate(const Model& model, Backend& backend, const std::vector<i
         backend.clear_sequence(opts.seq);
         tok = prefill_pick(backend, seq_tokens, opts.seq, picker);
       }
-    }
-    if (i == 0) {
-      st.prompt_seconds = now_seconds() - t0;
-      t0 = now_seconds();
-    }
-    sampler.accept(tok);
-    seq_tokens.push_back(tok);
-    if (opts.stop_at_eos && tok == eos) {
-      st.stop_reason = "eos";
-      break;
-    }
-    ++st.n_generated;
-    if (!on_token(tok)) {
-      st.stop_reason = "callback";
-      break;
+      go = take(tok);
     }
   }
   if (st.n_generated > 0 || st.stop_reason != "length") st.gen_seconds = now_seconds() - t0;

@@ -171,6 +171,38 @@ TEST(Generate, KvCacheAndNoCacheGiveSameTokens) {
   EXPECT_FALSE(with.empty());
 }
 
+// Greedy generation with the cache goes through Backend::decode_greedy: the same tokens as the no-cache path,
+// and the same stops (a full context after 16 - 5 positions' worth of tokens, a callback saying stop).
+TEST(Generate, GreedyStopsAtContextAndCallback) {
+  MERLIN_REQUIRE_DATA(model_path, "models/stories260K/stories260K.gguf");
+  auto m = Model::load(model_path);
+  BackendOptions bo;
+  bo.n_ctx = 16;
+  auto backend = make_cpu_backend(*m, bo);
+  const std::vector<int32_t> prompt = {1, 403, 407, 261, 378};
+  GenerateOptions go;
+  go.n_predict = 40;
+  go.stop_at_eos = false;
+  go.sampling.temperature = 0;
+  std::vector<int32_t> with, without;
+  GenerateStats a = generate(*m, *backend, prompt, go, [&](int32_t id) { with.push_back(id); return true; });
+  go.use_kv_cache = false;
+  GenerateStats b = generate(*m, *backend, prompt, go, [&](int32_t id) { without.push_back(id); return true; });
+  EXPECT_EQ(with, without);
+  EXPECT_EQ(a.n_generated, 11);
+  EXPECT_EQ(a.stop_reason, "context");
+  EXPECT_EQ(b.stop_reason, "context");
+  go.use_kv_cache = true;
+  std::vector<int32_t> three;
+  GenerateStats c = generate(*m, *backend, prompt, go, [&](int32_t id) {
+    three.push_back(id);
+    return three.size() < 3;
+  });
+  EXPECT_EQ(c.n_generated, 3);
+  EXPECT_EQ(c.stop_reason, "callback");
+  EXPECT_EQ(three, std::vector<int32_t>(with.begin(), with.begin() + 3));
+}
+
 // generate() on the CPU draws through Backend::forward_sample (sample_row, as the server and the GPU do):
 // the same tokens as a host loop over forward()'s logits with sample_row and a twin Sampler's uniforms, for
 // temperature alone (a draw over the whole row in id order) and the CLI's default filters; with a

@@ -51,7 +51,9 @@ __device__ __forceinline__ int warp_sum_int(int v) {
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
-bool pdl_enabled();  // MERLIN_CUDA_PDL=0 turns programmatic dependent launch off (for A/B timing)
+// Whether this launch gets the attribute: inside a PdlScope (graph capture) or with MERLIN_CUDA_EAGER_PDL=1
+// (cuda_api.h says why not otherwise); MERLIN_CUDA_PDL=0 turns it off everywhere (for A/B timing).
+bool pdl_enabled();
 
 template <typename... Params, typename... Args>
 void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args... args) {

@@ -61,6 +61,7 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   if (const char* f = std::getenv("MERLIN_CUDA_NORM_FOLD_MM")) norm_fold_mm_ = std::clamp(std::atoi(f), 0, kGraphMaxTokens);
   split_attention_ = !env_is("MERLIN_CUDA_SPLITK", "0");
   twice_ = parse_stages(std::getenv("MERLIN_CUDA_TWICE"));
+  if (const char* v = std::getenv("MERLIN_CUDA_CHAIN")) chain_max_ = std::clamp(std::atoi(v), 0, 64);
   if (env_is("MERLIN_CUDA_STEP_TIMING", "1")) {
     MERLIN_CUDA_CHECK(cudaEventCreate(&timing_.start));
     MERLIN_CUDA_CHECK(cudaEventCreate(&timing_.end));
@@ -140,6 +141,10 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   MERLIN_CUDA_CHECK(cudaMallocHost(&h_tiles_, B * sizeof(cuda::AttnTile)));
   d_tiles_ = static_cast<cuda::AttnTile*>(cuda::dev_alloc(B * sizeof(cuda::AttnTile)));
   d_in_ = dev_array<int32_t>(in_words());
+  if (chain_max_ > 1) {
+    MERLIN_CUDA_CHECK(cudaMallocHost(&h_chain_, (size_t)chain_max_ * kChainWords * sizeof(int32_t)));
+    d_chain_ = dev_array<int32_t>((size_t)chain_max_ * kChainWords);
+  }
   d_ids_ = dev_array<int32_t>(B);
   x_ = dev_array<float>(B * c_.dim);
   qkv_ = dev_array<float>(B * layers_[0].qkv.rows);
@@ -196,6 +201,8 @@ CudaBackend::~CudaBackend() {
                   (void*)att_, (void*)gu_, (void*)logits_, (void*)d_ids_})
     cuda::dev_free(p);
   cudaFreeHost(h_in_);
+  cudaFreeHost(h_chain_);
+  cuda::dev_free(d_chain_);
   cudaFreeHost(h_logits_);
   cudaFreeHost(h_ids_);
   cudaFreeHost(h_rows_);
@@ -343,6 +350,131 @@ void CudaBackend::forward_greedy(const Batch& batch, int64_t n_vocab, int32_t* t
   std::memcpy(tokens, h_ids_, (size_t)n_out * sizeof(int32_t));
 }
 
+CudaBackend::StepIo CudaBackend::step_io() const {
+  const size_t B = (size_t)max_batch_;
+  StepIo io;
+  io.tokens = d_in_;
+  io.pos = d_in_ + B;
+  io.seq = d_in_ + 2 * B;
+  io.rows = d_in_ + 3 * B;
+  io.key = reinterpret_cast<unsigned long long*>(d_in_ + 4 * B);
+  return io;
+}
+
+cudaGraphExec_t CudaBackend::graph_for(const std::tuple<int, int, int>& shape, const std::function<void()>& queue_step,
+                                       bool& captured) {
+  auto it = graphs_by_shape_.find(shape);
+  captured = it == graphs_by_shape_.end();
+  if (!captured) return it->second;
+  cudaGraph_t g = nullptr;
+  MERLIN_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  try {
+    const cuda::PdlScope pdl;  // programmatic dependent launch inside graphs only (cuda_api.h)
+    queue_step();
+  } catch (...) {
+    cudaStreamEndCapture(stream_, &g);
+    if (g) cudaGraphDestroy(g);
+    cudaGetLastError();  // leave no stale launch error behind for the next call
+    throw;
+  }
+  MERLIN_CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
+  cudaGraphExec_t exec = nullptr;
+  MERLIN_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+  cudaGraphDestroy(g);
+  graphs_by_shape_.emplace(shape, exec);
+  return exec;
+}
+
+void CudaBackend::launch_graph(cudaGraphExec_t exec) {
+  if (timing_.start) MERLIN_CUDA_CHECK(cudaEventRecord(timing_.start, stream_));
+  MERLIN_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+  if (timing_.start) MERLIN_CUDA_CHECK(cudaEventRecord(timing_.end, stream_));
+}
+
+void CudaBackend::add_timing(int steps, std::chrono::steady_clock::time_point wall0) {
+  if (!timing_.start) return;
+  float ms = 0;
+  MERLIN_CUDA_CHECK(cudaEventElapsedTime(&ms, timing_.start, timing_.end));
+  timing_.gpu_us += 1e3 * ms;
+  timing_.wall_us += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - wall0).count();
+  timing_.steps += steps;
+}
+
+bool CudaBackend::chains_apply() const {
+  return chain_max_ > 1 && graphs_ && head_argmax_ && embed_fuse_ && !fuse_prep_ && !layers_.empty() && !twice_;
+}
+
+int CudaBackend::decode_greedy(int32_t token, int32_t pos, int seq, int n_steps, int64_t n_vocab,
+                               const std::function<bool(int32_t)>& on_token) {
+  if (!chains_apply() || n_steps < 2) return Backend::decode_greedy(token, pos, seq, n_steps, n_vocab, on_token);
+  MERLIN_CHECK(n_vocab == c_.vocab_size, "decode_greedy: vocabulary of ", n_vocab, " tokens, the model has ",
+               c_.vocab_size);
+  std::vector<int32_t> ids((size_t)chain_max_);
+  int done = 0;
+  while (done < n_steps) {
+    int k = 1;  // powers of two: few graphs to capture for any length
+    while (2 * k <= std::min(chain_max_, n_steps - done)) k *= 2;
+    run_chain(token, pos + done, seq, k, ids.data());
+    for (int i = 0; i < k; ++i) {
+      ++done;
+      if (!on_token(ids[(size_t)i])) return done;
+    }
+    token = ids[(size_t)k - 1];
+  }
+  return done;
+}
+
+// k one-token greedy steps of sequence seq at positions pos .. pos + k - 1 as one graph: one input copy
+// (every step's token, position, sequence, row and zeroed argmax key), k steps, one copy of the k keys back.
+void CudaBackend::run_chain(int32_t token, int32_t pos, int seq, int k, int32_t* ids) {
+  for (int i = 0; i < k; ++i) {  // positions and blocks checked as for k one-token steps
+    Batch check;
+    check.add(token, pos + i, seq, true);
+    validate(check);
+  }
+  int n_short = 0;  // leading steps whose attention fits one split chunk (attn_short_now_)
+  for (int i = 0; i < k; ++i) {
+    int32_t* w = h_chain_ + (size_t)i * kChainWords;
+    w[0] = token;
+    w[1] = pos + i;
+    w[2] = seq;
+    w[3] = 0;
+    w[4] = w[5] = 0;
+    if (attn_scratch_.n_split > 1 && pos + i < attn_scratch_.chunk) ++n_short;
+  }
+  flash_now_ = false;
+  const auto queue_chain = [&] {
+    const size_t words = (size_t)k * kChainWords;
+    MERLIN_CUDA_CHECK(cudaMemcpyAsync(d_chain_, h_chain_, words * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    for (int i = 0; i < k; ++i) {
+      int32_t* w = d_chain_ + (size_t)i * kChainWords;
+      StepIo io;
+      io.tokens = w;
+      io.pos = w + 1;
+      io.seq = w + 2;
+      io.rows = w + 3;
+      io.key = reinterpret_cast<unsigned long long*>(w + 4);
+      if (i > 0) io.token_key = reinterpret_cast<const unsigned long long*>(w - kChainWords + 4);
+      io.copy_out = false;
+      attn_short_now_ = i < n_short;
+      enqueue(1, 1, Output::GreedyIds, io);
+    }
+    MERLIN_CUDA_CHECK(cudaMemcpyAsync(h_chain_, d_chain_, words * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+  };
+  bool captured = false;
+  // Chains are keyed apart from single steps (whose third field stays below 64) by length and short steps.
+  const cudaGraphExec_t exec = graph_for(std::make_tuple(k, 1, 64 + n_short), queue_chain, captured);
+  const auto wall0 = std::chrono::steady_clock::now();
+  launch_graph(exec);
+  MERLIN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (!captured) add_timing(k, wall0);
+  for (int i = 0; i < k; ++i) {
+    unsigned long long key;
+    std::memcpy(&key, h_chain_ + (size_t)i * kChainWords + 4, sizeof key);
+    ids[i] = cuda::argmax_key_row(key);
+  }
+}
+
 // Runs one step (graph replay for decode-sized batches) and waits for it; returns the number of logits rows.
 int CudaBackend::run_step(const Batch& batch, Output out) {
   const auto wall0 = std::chrono::steady_clock::now();
@@ -366,43 +498,21 @@ int CudaBackend::run_step(const Batch& batch, Output out) {
   if (flash_now_) n_tiles_ = cuda::make_attention_tiles(batch.pos.data(), batch.seq.data(), n, h_tiles_);
   attn_short_now_ = attn_scratch_.n_split > 1 &&
                     *std::max_element(batch.pos.begin(), batch.pos.end()) < attn_scratch_.chunk;
+  const auto queue_step = [&] {
+    MERLIN_CUDA_CHECK(cudaMemcpyAsync(d_in_, h_in_, in_words() * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    enqueue(n, n_out, out, step_io());
+  };
   if (graph_step) {
     // A step's graph depends on whether its attention is split (attn_short_now_).
-    const auto shape = std::make_tuple(n, n_out, (int)out + (attn_short_now_ ? 16 : 0));
-    auto it = graphs_by_shape_.find(shape);
-    captured = it == graphs_by_shape_.end();
-    if (captured) {
-      cudaGraph_t g = nullptr;
-      MERLIN_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-      try {
-        enqueue(n, n_out, out);
-      } catch (...) {
-        cudaStreamEndCapture(stream_, &g);
-        if (g) cudaGraphDestroy(g);
-        cudaGetLastError();  // leave no stale launch error behind for the next call
-        throw;
-      }
-      MERLIN_CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
-      cudaGraphExec_t exec = nullptr;
-      MERLIN_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
-      cudaGraphDestroy(g);
-      it = graphs_by_shape_.emplace(shape, exec).first;
-    }
-    if (timing_.start) MERLIN_CUDA_CHECK(cudaEventRecord(timing_.start, stream_));
-    MERLIN_CUDA_CHECK(cudaGraphLaunch(it->second, stream_));
-    if (timing_.start) MERLIN_CUDA_CHECK(cudaEventRecord(timing_.end, stream_));
+    const cudaGraphExec_t exec =
+        graph_for(std::make_tuple(n, n_out, (int)out + (attn_short_now_ ? 16 : 0)), queue_step, captured);
+    launch_graph(exec);
   } else {
-    enqueue(n, n_out, out);
+    queue_step();
   }
   if (out == Output::DeviceLogits) queue_sampling(n_out);
   MERLIN_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  if (timing_.start && graph_step && !captured) {
-    float ms = 0;
-    MERLIN_CUDA_CHECK(cudaEventElapsedTime(&ms, timing_.start, timing_.end));
-    timing_.gpu_us += 1e3 * ms;
-    timing_.wall_us += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - wall0).count();
-    ++timing_.steps;
-  }
+  if (graph_step && !captured) add_timing(1, wall0);
   if (fused_argmax(n_out, out)) {
     unsigned long long key;
     std::memcpy(&key, h_ids_ + max_batch_, sizeof key);

@@ -21,7 +21,10 @@
 //
 // Decode-sized batches (up to kGraphMaxTokens tokens) run as a CUDA graph captured once per step shape and
 // replayed; tokens, positions, sequences and rows travel through fixed device buffers that the graph's first
-// node fills from pinned host memory. MERLIN_CUDA_GRAPHS=0 turns graphs off.
+// node fills from pinned host memory. MERLIN_CUDA_GRAPHS=0 turns graphs off. Kernels use programmatic
+// dependent launch inside graphs only (cuda_api.h, PdlScope). Greedy decoding of one sequence
+// (decode_greedy) replays chains of up to 16 one-token steps as one graph, each step's first RMSNorm
+// embedding the previous step's argmax (PrepArgs::d_token_key): no token goes through the host in between.
 //
 // The class is shared by cuda_backend.cpp (set-up, steps, sampling) and cuda_forward.cpp (the layers of a
 // step, enqueue); internal to the CUDA backend.
@@ -29,9 +32,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <tuple>
@@ -85,6 +90,8 @@ class CudaBackend final : public Backend {
   void forward_greedy(const Batch& batch, int64_t n_vocab, int32_t* tokens) override;
   void forward_sample(const Batch& batch, int64_t n_vocab, std::span<const RowSampling> rows,
                       std::span<const LogitAdjust> adjust, int32_t* tokens) override;
+  int decode_greedy(int32_t token, int32_t pos, int seq, int n_steps, int64_t n_vocab,
+                    const std::function<bool(int32_t)>& on_token) override;
   void clear_sequence(int seq) override {
     MERLIN_CHECK(seq >= 0 && seq < n_seq_, "sequence ", seq, " out of range");  // cached rows are overwritten
   }
@@ -113,7 +120,31 @@ class CudaBackend final : public Backend {
   void queue_sampling(int n_out);
   void validate(const Batch& batch) const;
   int run_step(const Batch& batch, Output out);
-  void enqueue(int n, int n_out, Output out);
+  // Where a step's kernels read their inputs and put a fused argmax (device pointers).
+  struct StepIo {
+    const int32_t *tokens = nullptr, *pos = nullptr, *seq = nullptr, *rows = nullptr;
+    unsigned long long* key = nullptr;              // the fused argmax's key, zero before the step
+    const unsigned long long* token_key = nullptr;  // a chained step's token: this key's row (PrepArgs)
+    bool copy_out = true;                           // queue the result's copy to pinned host memory
+  };
+  StepIo step_io() const;  // run_step's: d_in_, filled from h_in_
+  void enqueue(int n, int n_out, Output out, const StepIo& io);
+  // Launches a graph on the stream, between the timing events when MERLIN_CUDA_STEP_TIMING is on; after the
+  // stream is synchronized, add_timing accounts its GPU span and the host's time since wall0 to `steps` steps.
+  void launch_graph(cudaGraphExec_t exec);
+  void add_timing(int steps, std::chrono::steady_clock::time_point wall0);
+  // The replayable graph for `shape`, captured from `queue_step` the first time; captured: it was just made.
+  cudaGraphExec_t graph_for(const std::tuple<int, int, int>& shape, const std::function<void()>& queue_step,
+                            bool& captured);
+  // Chained greedy steps (decode_greedy): one graph of k one-token steps, step i > 0 embedding the argmax of
+  // step i - 1, so neither the host's wake-up and launch nor the input / id copies sit between tokens.
+  // Chains of powers of two up to chain_max_ steps (MERLIN_CUDA_CHAIN=N; 0 or 1: one forward_greedy per token).
+  static constexpr int kChainWords = 6;  // per step: token, pos, seq, logits row, argmax key (2 words)
+  int chain_max_ = 16;
+  int32_t* h_chain_ = nullptr;  // [chain_max_][kChainWords], pinned
+  int32_t* d_chain_ = nullptr;
+  bool chains_apply() const;
+  void run_chain(int32_t token, int32_t pos, int seq, int k, int32_t* ids);
   ActBuf& act(ActKind kind, int64_t k);
   bool use_gemm(const Linear& l, int n) const;
   void prepare_inputs(const cuda::PrepArgs& p, const Linear& l, int n, bool gemm);
@@ -210,7 +241,6 @@ class CudaBackend final : public Backend {
   // step's input copy zeroes first; false: argmax_rows runs after the head. MERLIN_CUDA_ARGMAX_FUSE=0: never.
   bool head_argmax_ = false;
   bool fused_argmax(int n_out, Output out) const { return head_argmax_ && n_out == 1 && out == Output::GreedyIds; }
-  unsigned long long* argmax_key() const { return reinterpret_cast<unsigned long long*>(d_in_ + 4 * max_batch_); }
   float* h_logits_ = nullptr;
   int32_t* h_ids_ = nullptr;  // [max_batch] greedy or sampled ids (pinned)
   int32_t* d_ids_ = nullptr;

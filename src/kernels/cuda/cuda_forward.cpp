@@ -193,19 +193,19 @@ void CudaBackend::run_linear(const Linear& l, const cuda::PrepArgs& p, int n, fl
   }
 }
 
-// Queues one forward step of n tokens (n_out logits rows) on the stream, inputs taken from h_in_; the
-// output (logits rows or their argmax ids) lands in pinned host memory when the stream reaches the end.
-void CudaBackend::enqueue(int n, int n_out, Output out) {
-  const size_t B = (size_t)max_batch_;
-  MERLIN_CUDA_CHECK(cudaMemcpyAsync(d_in_, h_in_, in_words() * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+// Queues one forward step of n tokens (n_out logits rows) on the stream, inputs read where io says (already
+// on the device when the stream gets there); with io.copy_out the output (logits rows or their argmax ids)
+// lands in pinned host memory when the stream reaches the end.
+void CudaBackend::enqueue(int n, int n_out, Output out, const StepIo& io) {
   if (flash_now_)
     MERLIN_CUDA_CHECK(cudaMemcpyAsync(d_tiles_, h_tiles_, (size_t)n_tiles_ * sizeof(cuda::AttnTile),
                                       cudaMemcpyHostToDevice, stream_));
-  const int32_t *tokens = d_in_, *pos = d_in_ + B, *seq = d_in_ + 2 * B, *rows = d_in_ + 3 * B;
+  const int32_t *tokens = io.tokens, *pos = io.pos, *seq = io.seq, *rows = io.rows;
   const Weight& e = m_.token_embd();
   // The first layer's RMSNorm reads the embedding rows itself (PrepArgs::d_tokens) where its input goes through
   // prep_act (not with products that prepare their own input, MERLIN_CUDA_FUSE=1).
   const bool embed_in_prep = embed_fuse_ && !fuse_prep_ && !layers_.empty();
+  MERLIN_CHECK(!io.token_key || (embed_in_prep && n == 1), "internal: a chained step needs the fused embedding");
   if (!embed_in_prep)
     queue(kEmbed, [&] { return cuda::embed(e.type, embd_, e.row_bytes, c_.dim, tokens, n, x_, stream_), true; });
   const int hd = (int)c_.head_dim();
@@ -220,6 +220,7 @@ void CudaBackend::enqueue(int n, int n_out, Output out) {
     cuda::PrepArgs norm{cuda::Prep::RmsNorm, x_, c_.dim, L.attn_norm, c_.norm_eps, 0, nullptr};
     if (li == 0 && embed_in_prep) {
       norm.d_tokens = tokens;
+      norm.d_token_key = io.token_key;
       norm.embd = static_cast<const uint8_t*>(embd_);
       norm.embd_type = e.type;
       norm.embd_row_bytes = e.row_bytes;
@@ -262,12 +263,14 @@ void CudaBackend::enqueue(int n, int n_out, Output out) {
       const Matrix& m = head_.mats[0];
       if (!attn_folded) prepare_inputs(fin, head_, 1, false);
       const ActBuf& x = attn_folded ? folded : act(m.act(), m.k);
-      queue(kHead, [&] { return cuda::matvec1_argmax(m, x, logits_, c_.vocab_size, argmax_key(), stream_); });
-      MERLIN_CUDA_CHECK(cudaMemcpyAsync(h_ids_ + max_batch_, argmax_key(), sizeof(unsigned long long),
-                                        cudaMemcpyDeviceToHost, stream_));
+      queue(kHead, [&] { return cuda::matvec1_argmax(m, x, logits_, c_.vocab_size, io.key, stream_); });
+      if (io.copy_out)
+        MERLIN_CUDA_CHECK(cudaMemcpyAsync(h_ids_ + max_batch_, io.key, sizeof(unsigned long long),
+                                          cudaMemcpyDeviceToHost, stream_));
       return;
     }
     run_linear(head_, fin, n_out, logits_, c_.vocab_size, c_.vocab_size, false, false, attn_folded ? &folded : nullptr);
+    MERLIN_CHECK(io.copy_out, "internal: only a fused argmax leaves its result on the device");
     if (out == Output::GreedyIds) {
       queue(kArgmax, [&] { return cuda::argmax_rows(logits_, c_.vocab_size, n_out, c_.vocab_size, d_ids_, stream_), true; });
       MERLIN_CUDA_CHECK(cudaMemcpyAsync(h_ids_, d_ids_, (size_t)n_out * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));

@@ -724,8 +724,6 @@ bool matvec1_argmax(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out,
   return dispatch(w, x, d_y, n_out, false, stream, e);
 }
 
-int32_t argmax_key_row(unsigned long long key) { return key == 0ull ? 0 : (int32_t)(0xFFFFFFFFu - (uint32_t)key); }
-
 bool matvec1_glu_fits(const Matrix& w) {
   return (w.fmt == kQ8_0 || w.fmt == kQ4_0 || w.fmt == kMXFP4) && mv1_mode() != 0 && g_sm_count > 0 && w.k > 0 &&
          w.k <= kMaxK && w.k % 32 == 0;

@@ -33,7 +33,12 @@ bool matvec1_glu_fits(const Matrix& w);
 bool matvec1_argmax_fits(const Matrix& w);
 bool matvec1_argmax(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, unsigned long long* d_key,
                     Stream stream);
-int32_t argmax_key_row(unsigned long long key);
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+inline int32_t argmax_key_row(unsigned long long key) {
+  return key == 0ull ? 0 : (int32_t)(0xFFFFFFFFu - (uint32_t)key);
+}
 
 // Called once by init_matmul_kernels (never inside a graph capture): kernel attributes and occupancy.
 void init_matvec1_kernels();

@@ -52,11 +52,19 @@ void copy_to_host(void* dst, const void* d_src, size_t bytes) {
 void sync_device() { MERLIN_CUDA_CHECK(cudaDeviceSynchronize()); }
 size_t allocated_bytes() { return g_allocated.load(); }
 
-bool pdl_enabled() {
-  static const bool on = [] {
-    return !env_is("MERLIN_CUDA_PDL", "0");
-  }();
+namespace {
+bool& pdl_scoped() {
+  thread_local bool on = false;
   return on;
+}
+}  // namespace
+
+PdlScope::PdlScope() : prev_(pdl_scoped()) { pdl_scoped() = true; }
+PdlScope::~PdlScope() { pdl_scoped() = prev_; }
+
+bool pdl_enabled() {
+  static const bool on = !env_is("MERLIN_CUDA_PDL", "0"), eager = env_is("MERLIN_CUDA_EAGER_PDL", "1");
+  return on && (eager || pdl_scoped());
 }
 
 void check_launch(const char* what) {

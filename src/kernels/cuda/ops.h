@@ -96,6 +96,9 @@ struct PrepArgs {
   DType embd_type = DType::F32;
   size_t embd_row_bytes = 0;
   float* d_embed_x = nullptr;
+  // With d_tokens: the (one) token is instead argmax_key_row(*d_token_key), the argmax key a previous step's
+  // head product wrote (matvec1_argmax): chained greedy steps feed their own output without the host.
+  const unsigned long long* d_token_key = nullptr;
 };
 void prep_act(const PrepArgs& p, int n, ActBuf& out, Stream stream);
 
