@@ -417,7 +417,8 @@ TEST(CudaBackend, GreedyMatchesCpuOnDefaultModel) {
 }
 
 // decode_greedy replays chains of steps whose tokens come from the previous step's argmax on the device: the
-// same ids as one forward_greedy per step (MERLIN_CUDA_CHAIN=0), across chains of every length (16 .. 1)
+// same ids as one forward_greedy per step (MERLIN_CUDA_CHAIN=0), with the argmax in the head's product or
+// after it, across chains of every length (16 .. 1)
 // and across the position (256) where the attention starts to split; and a stop mid-chain loses nothing: a
 // second call from the last delivered id continues as the uninterrupted run.
 TEST(CudaBackend, DecodeGreedyChainsMatchSingleSteps) {
@@ -437,54 +438,59 @@ TEST(CudaBackend, DecodeGreedyChainsMatchSingleSteps) {
   io.std = 0.05f;
   io.progress = false;
   test::TempDir dir;
-  const std::string f32 = dir.file("chain-f32.gguf"), q4 = dir.file("chain-q4_0.gguf");
+  const std::string f32 = dir.file("chain-f32.gguf");
   write_random_model(c, base->tokenizer(), io, f32);
-  QuantizeOptions qo;
-  qo.type = DType::Q4_0;
-  qo.progress = false;
-  quantize_model(f32, q4, qo);
-  auto m = Model::load(q4);
-  const int64_t vocab = m->config().vocab_size;
-  std::vector<int32_t> prompt(230);
-  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = (int32_t)((i * 7919 + 13) % (size_t)vocab);
-  const int start = (int)prompt.size(), n = 75;  // chains of 16, 16, 16, 16, 8, 2, 1 from position 230
+  // Q4_0: the head's product finds the argmax (its key feeds the next step); BF16: argmax_rows writes the id.
+  for (DType t : {DType::Q4_0, DType::BF16}) {
+    SCOPED_TRACE(dtype_name(t));
+    const std::string path = dir.file(std::string("chain-") + dtype_name(t) + ".gguf");
+    QuantizeOptions qo;
+    qo.type = t;
+    qo.progress = false;
+    quantize_model(f32, path, qo);
+    auto m = Model::load(path);
+    const int64_t vocab = m->config().vocab_size;
+    std::vector<int32_t> prompt(230);
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = (int32_t)((i * 7919 + 13) % (size_t)vocab);
+    const int start = (int)prompt.size(), n = 75;  // chains of 16, 16, 16, 16, 8, 2, 1 from position 230
 
-  ::setenv("MERLIN_CUDA_CHAIN", "0", 1);
-  auto single = make_backend("cuda", *m, opts_with());
-  ::unsetenv("MERLIN_CUDA_CHAIN");
-  auto chained = make_backend("cuda", *m, opts_with());
-  int32_t first = 0;
-  for (Backend* b : {single.get(), chained.get()}) {
-    std::vector<float> row = prefill(*m, *b, prompt, 0, 0, false);
-    first = argmax(row.data(), vocab);
-  }
-  std::vector<int32_t> want;
-  int32_t tok = first;
-  for (int i = 0; i < n; ++i) {
-    Batch batch;
-    batch.add(tok, start + i, 0, true);
-    single->forward_greedy(batch, vocab, &tok);
-    want.push_back(tok);
-  }
-  std::vector<int32_t> got;
-  EXPECT_EQ(chained->decode_greedy(first, start, 0, n, vocab, [&](int32_t id) {
-    got.push_back(id);
-    return true;
-  }), n);
-  EXPECT_EQ(got, want);
-  EXPECT_GT(std::set<int32_t>(want.begin(), want.end()).size(), 4u);  // not one token repeated
+    ::setenv("MERLIN_CUDA_CHAIN", "0", 1);
+    auto single = make_backend("cuda", *m, opts_with());
+    ::unsetenv("MERLIN_CUDA_CHAIN");
+    auto chained = make_backend("cuda", *m, opts_with());
+    int32_t first = 0;
+    for (Backend* b : {single.get(), chained.get()}) {
+      std::vector<float> row = prefill(*m, *b, prompt, 0, 0, false);
+      first = argmax(row.data(), vocab);
+    }
+    std::vector<int32_t> want;
+    int32_t tok = first;
+    for (int i = 0; i < n; ++i) {
+      Batch batch;
+      batch.add(tok, start + i, 0, true);
+      single->forward_greedy(batch, vocab, &tok);
+      want.push_back(tok);
+    }
+    std::vector<int32_t> got;
+    EXPECT_EQ(chained->decode_greedy(first, start, 0, n, vocab, [&](int32_t id) {
+      got.push_back(id);
+      return true;
+    }), n);
+    EXPECT_EQ(got, want);
+    EXPECT_GT(std::set<int32_t>(want.begin(), want.end()).size(), 4u);  // not one token repeated
 
-  got.clear();
-  EXPECT_EQ(chained->decode_greedy(first, start, 0, n, vocab, [&](int32_t id) {
-    got.push_back(id);
-    return got.size() < 21;
-  }), 21);
-  ASSERT_EQ(got.size(), 21u);
-  EXPECT_EQ(chained->decode_greedy(got.back(), start + 21, 0, n - 21, vocab, [&](int32_t id) {
-    got.push_back(id);
-    return true;
-  }), n - 21);
-  EXPECT_EQ(got, want);
+    got.clear();
+    EXPECT_EQ(chained->decode_greedy(first, start, 0, n, vocab, [&](int32_t id) {
+      got.push_back(id);
+      return got.size() < 21;
+    }), 21);
+    ASSERT_EQ(got.size(), 21u);
+    EXPECT_EQ(chained->decode_greedy(got.back(), start + 21, 0, n - 21, vocab, [&](int32_t id) {
+      got.push_back(id);
+      return true;
+    }), n - 21);
+    EXPECT_EQ(got, want);
+  }
 }
 
 TEST(CudaBackend, GraphReplayIsBitIdenticalToEager) {

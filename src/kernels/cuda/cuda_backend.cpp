@@ -142,8 +142,8 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   d_tiles_ = static_cast<cuda::AttnTile*>(cuda::dev_alloc(B * sizeof(cuda::AttnTile)));
   d_in_ = dev_array<int32_t>(in_words());
   if (chain_max_ > 1) {
-    MERLIN_CUDA_CHECK(cudaMallocHost(&h_chain_, (size_t)chain_max_ * kChainWords * sizeof(int32_t)));
-    d_chain_ = dev_array<int32_t>((size_t)chain_max_ * kChainWords);
+    MERLIN_CUDA_CHECK(cudaMallocHost(&h_chain_, (size_t)(chain_max_ + 1) * kChainWords * sizeof(int32_t)));
+    d_chain_ = dev_array<int32_t>((size_t)(chain_max_ + 1) * kChainWords);
   }
   d_ids_ = dev_array<int32_t>(B);
   x_ = dev_array<float>(B * c_.dim);
@@ -401,7 +401,8 @@ void CudaBackend::add_timing(int steps, std::chrono::steady_clock::time_point wa
 }
 
 bool CudaBackend::chains_apply() const {
-  return chain_max_ > 1 && graphs_ && head_argmax_ && embed_fuse_ && !fuse_prep_ && !layers_.empty() && !twice_;
+  const bool key_feeds = embed_fuse_ && !fuse_prep_ && !layers_.empty();  // where a fused argmax's key is read
+  return chain_max_ > 1 && graphs_ && !twice_ && (!head_argmax_ || key_feeds);
 }
 
 int CudaBackend::decode_greedy(int32_t token, int32_t pos, int seq, int n_steps, int64_t n_vocab,
@@ -425,7 +426,7 @@ int CudaBackend::decode_greedy(int32_t token, int32_t pos, int seq, int n_steps,
 }
 
 // k one-token greedy steps of sequence seq at positions pos .. pos + k - 1 as one graph: one input copy
-// (every step's token, position, sequence, row and zeroed argmax key), k steps, one copy of the k keys back.
+// (every step's token, position, sequence, row and zeroed argmax key), k steps, one copy of the ids back.
 void CudaBackend::run_chain(int32_t token, int32_t pos, int seq, int k, int32_t* ids) {
   for (int i = 0; i < k; ++i) {  // positions and blocks checked as for k one-token steps
     Batch check;
@@ -433,18 +434,18 @@ void CudaBackend::run_chain(int32_t token, int32_t pos, int seq, int k, int32_t*
     validate(check);
   }
   int n_short = 0;  // leading steps whose attention fits one split chunk (attn_short_now_)
-  for (int i = 0; i < k; ++i) {
+  for (int i = 0; i <= k; ++i) {  // row k only receives the last id (argmax_rows)
     int32_t* w = h_chain_ + (size_t)i * kChainWords;
-    w[0] = token;
+    w[0] = i == 0 ? token : 0;
     w[1] = pos + i;
     w[2] = seq;
     w[3] = 0;
     w[4] = w[5] = 0;
-    if (attn_scratch_.n_split > 1 && pos + i < attn_scratch_.chunk) ++n_short;
+    if (i < k && attn_scratch_.n_split > 1 && pos + i < attn_scratch_.chunk) ++n_short;
   }
   flash_now_ = false;
   const auto queue_chain = [&] {
-    const size_t words = (size_t)k * kChainWords;
+    const size_t words = (size_t)(k + 1) * kChainWords;
     MERLIN_CUDA_CHECK(cudaMemcpyAsync(d_chain_, h_chain_, words * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
     for (int i = 0; i < k; ++i) {
       int32_t* w = d_chain_ + (size_t)i * kChainWords;
@@ -454,7 +455,8 @@ void CudaBackend::run_chain(int32_t token, int32_t pos, int seq, int k, int32_t*
       io.seq = w + 2;
       io.rows = w + 3;
       io.key = reinterpret_cast<unsigned long long*>(w + 4);
-      if (i > 0) io.token_key = reinterpret_cast<const unsigned long long*>(w - kChainWords + 4);
+      if (i > 0 && head_argmax_) io.token_key = reinterpret_cast<const unsigned long long*>(w - kChainWords + 4);
+      io.ids = w + kChainWords;
       io.copy_out = false;
       attn_short_now_ = i < n_short;
       enqueue(1, 1, Output::GreedyIds, io);
@@ -469,9 +471,10 @@ void CudaBackend::run_chain(int32_t token, int32_t pos, int seq, int k, int32_t*
   MERLIN_CUDA_CHECK(cudaStreamSynchronize(stream_));
   if (!captured) add_timing(k, wall0);
   for (int i = 0; i < k; ++i) {
+    const int32_t* w = h_chain_ + (size_t)i * kChainWords;
     unsigned long long key;
-    std::memcpy(&key, h_chain_ + (size_t)i * kChainWords + 4, sizeof key);
-    ids[i] = cuda::argmax_key_row(key);
+    std::memcpy(&key, w + 4, sizeof key);
+    ids[i] = head_argmax_ ? cuda::argmax_key_row(key) : w[kChainWords];
   }
 }
 

@@ -125,6 +125,7 @@ class CudaBackend final : public Backend {
     const int32_t *tokens = nullptr, *pos = nullptr, *seq = nullptr, *rows = nullptr;
     unsigned long long* key = nullptr;              // the fused argmax's key, zero before the step
     const unsigned long long* token_key = nullptr;  // a chained step's token: this key's row (PrepArgs)
+    int32_t* ids = nullptr;                         // argmax_rows' output (null: d_ids_)
     bool copy_out = true;                           // queue the result's copy to pinned host memory
   };
   StepIo step_io() const;  // run_step's: d_in_, filled from h_in_
@@ -139,9 +140,11 @@ class CudaBackend final : public Backend {
   // Chained greedy steps (decode_greedy): one graph of k one-token steps, step i > 0 embedding the argmax of
   // step i - 1, so neither the host's wake-up and launch nor the input / id copies sit between tokens.
   // Chains of powers of two up to chain_max_ steps (MERLIN_CUDA_CHAIN=N; 0 or 1: one forward_greedy per token).
+  // Step i reads row i of the chain buffer; its id goes to row i's argmax key (fused argmax: step i + 1's
+  // first RMSNorm decodes it) or, from argmax_rows, straight into row i + 1's token.
   static constexpr int kChainWords = 6;  // per step: token, pos, seq, logits row, argmax key (2 words)
   int chain_max_ = 16;
-  int32_t* h_chain_ = nullptr;  // [chain_max_][kChainWords], pinned
+  int32_t* h_chain_ = nullptr;  // [chain_max_ + 1][kChainWords], pinned
   int32_t* d_chain_ = nullptr;
   bool chains_apply() const;
   void run_chain(int32_t token, int32_t pos, int seq, int k, int32_t* ids);

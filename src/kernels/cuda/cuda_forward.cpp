@@ -270,10 +270,12 @@ void CudaBackend::enqueue(int n, int n_out, Output out, const StepIo& io) {
       return;
     }
     run_linear(head_, fin, n_out, logits_, c_.vocab_size, c_.vocab_size, false, false, attn_folded ? &folded : nullptr);
-    MERLIN_CHECK(io.copy_out, "internal: only a fused argmax leaves its result on the device");
+    MERLIN_CHECK(io.copy_out || out == Output::GreedyIds, "internal: only greedy ids stay on the device");
     if (out == Output::GreedyIds) {
-      queue(kArgmax, [&] { return cuda::argmax_rows(logits_, c_.vocab_size, n_out, c_.vocab_size, d_ids_, stream_), true; });
-      MERLIN_CUDA_CHECK(cudaMemcpyAsync(h_ids_, d_ids_, (size_t)n_out * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+      int32_t* ids = io.ids ? io.ids : d_ids_;
+      queue(kArgmax, [&] { return cuda::argmax_rows(logits_, c_.vocab_size, n_out, c_.vocab_size, ids, stream_), true; });
+      if (io.copy_out)
+        MERLIN_CUDA_CHECK(cudaMemcpyAsync(h_ids_, ids, (size_t)n_out * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
     } else if (out == Output::Logits) {
       MERLIN_CUDA_CHECK(cudaMemcpyAsync(h_logits_, logits_, (size_t)n_out * c_.vocab_size * sizeof(float),
                                         cudaMemcpyDeviceToHost, stream_));
