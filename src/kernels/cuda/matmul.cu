@@ -788,6 +788,7 @@ void matmul(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, in
                " tokens");
   MERLIN_CHECK(!x.glu_src || n == 1, "matmul: a SwiGLU row (ActBuf::glu_src) is read by single-token products only");
   if (n == 1 && matvec1(w, x, d_y, n_out_rows, accumulate, stream)) return;
+  MERLIN_CHECK(!x.glu_src, "matmul: no single-token kernel computes this SwiGLU row (ActBuf::glu_src)");
   launch_product(w.fmt, product_args(w, x, n, d_y, ldy, n_out_rows, accumulate), stream);
 }
 
@@ -802,6 +803,7 @@ bool matmul_rope_kv(const Matrix& w, const ActBuf& x, int n, float* d_qkv, int64
   MERLIN_CHECK(!x.rms_part || (n == x.rms_rows && (n == 1 || reads_deferred_norm(w, n))),
                "matmul_rope_kv: this product cannot read a deferred RMSNorm of ", x.rms_rows, " rows as ", n, " tokens");
   if (n == 1 && matvec1_rope_kv(w, x, d_qkv, r, stream)) return true;
+  MERLIN_CHECK(!x.glu_src, "matmul_rope_kv: a SwiGLU row (ActBuf::glu_src) is read by single-token products only");
   MmArgs p = product_args(w, x, n, d_qkv, ldy, w.rows, false);
   p.rope_on = 1;
   p.rope = r;
