@@ -36,7 +36,32 @@ namespace {
 const std::string kDefaultModel = std::string(MERLIN_SOURCE_DIR) + "/models/merlin-default.gguf";
 
 // A small random GQA model (4 query heads over 2 KV heads, head size 64, 50257-token vocabulary so the
-// output head's rows are not a multiple of the 16-row tile) in F32, and its quantizations, built once.
+// output head's rows are not a multiple of the 16-row tile) of `context` positions, written in F32.
+void write_tiny_model(const Model& base, int context, uint64_t seed, const std::string& path) {
+  ModelConfig c;
+  c.name = "cuda-test";
+  c.dim = 256;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.n_layers = 2;
+  c.ffn_dim = 768;
+  c.context_length = context;
+  c.vocab_size = base.tokenizer().vocab_size();
+  InitOptions io;
+  io.seed = seed;
+  io.std = 0.05f;  // livelier logits than 0.02, so greedy choices are not near-ties
+  io.progress = false;
+  write_random_model(c, base.tokenizer(), io, path);
+}
+
+void quantize_to(const std::string& src, const std::string& dst, DType t) {
+  QuantizeOptions qo;
+  qo.type = t;
+  qo.progress = false;
+  quantize_model(src, dst, qo);
+}
+
+// The tiny model (160 positions) in F32 and its quantizations, built once.
 class Models {
  public:
   static Models& get() {
@@ -47,31 +72,14 @@ class Models {
     auto it = paths_.find(t);
     if (it != paths_.end()) return it->second;
     const std::string out = dir_.file(std::string("tiny-") + dtype_name(t) + ".gguf");
-    QuantizeOptions qo;
-    qo.type = t;
-    qo.progress = false;
-    quantize_model(f32_, out, qo);
+    quantize_to(f32_, out, t);
     return paths_[t] = out;
   }
 
  private:
   Models() {
-    auto base = Model::load(kDefaultModel);
-    ModelConfig c;
-    c.name = "cuda-test";
-    c.dim = 256;
-    c.n_heads = 4;
-    c.n_kv_heads = 2;
-    c.n_layers = 2;
-    c.ffn_dim = 768;
-    c.context_length = 160;
-    c.vocab_size = base->tokenizer().vocab_size();
-    InitOptions io;
-    io.seed = 42;
-    io.std = 0.05f;  // livelier logits than 0.02, so greedy choices are not near-ties
-    io.progress = false;
     f32_ = dir_.file("tiny-f32.gguf");
-    write_random_model(c, base->tokenizer(), io, f32_);
+    write_tiny_model(*Model::load(kDefaultModel), 160, 42, f32_);
     paths_[DType::F32] = f32_;
   }
   test::TempDir dir_;
@@ -418,36 +426,19 @@ TEST(CudaBackend, GreedyMatchesCpuOnDefaultModel) {
 
 // decode_greedy replays chains of steps whose tokens come from the previous step's argmax on the device: the
 // same ids as one forward_greedy per step (MERLIN_CUDA_CHAIN=0), with the argmax in the head's product or
-// after it, across chains of every length (16 .. 1)
-// and across the position (256) where the attention starts to split; and a stop mid-chain loses nothing: a
-// second call from the last delivered id continues as the uninterrupted run.
+// after it, across chains of every length (16 .. 1) and across the position (256) where the attention starts
+// to split; and a stop mid-chain loses nothing: a second call from the last delivered id continues as the
+// uninterrupted run.
 TEST(CudaBackend, DecodeGreedyChainsMatchSingleSteps) {
   REQUIRE_GPU();
-  auto base = Model::load(kDefaultModel);
-  ModelConfig c;
-  c.name = "cuda-chain-test";
-  c.dim = 256;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.n_layers = 2;
-  c.ffn_dim = 768;
-  c.context_length = 640;  // three attention splits of 256 positions
-  c.vocab_size = base->tokenizer().vocab_size();
-  InitOptions io;
-  io.seed = 7;
-  io.std = 0.05f;
-  io.progress = false;
   test::TempDir dir;
   const std::string f32 = dir.file("chain-f32.gguf");
-  write_random_model(c, base->tokenizer(), io, f32);
+  write_tiny_model(*Model::load(kDefaultModel), 640, 7, f32);  // three attention splits of 256 positions
   // Q4_0: the head's product finds the argmax (its key feeds the next step); BF16: argmax_rows writes the id.
   for (DType t : {DType::Q4_0, DType::BF16}) {
     SCOPED_TRACE(dtype_name(t));
     const std::string path = dir.file(std::string("chain-") + dtype_name(t) + ".gguf");
-    QuantizeOptions qo;
-    qo.type = t;
-    qo.progress = false;
-    quantize_model(f32, path, qo);
+    quantize_to(f32, path, t);
     auto m = Model::load(path);
     const int64_t vocab = m->config().vocab_size;
     std::vector<int32_t> prompt(230);
