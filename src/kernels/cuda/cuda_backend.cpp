@@ -143,6 +143,8 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   d_in_ = dev_array<int32_t>(in_words());
   if (chain_max_ > 1) {
     MERLIN_CUDA_CHECK(cudaMallocHost(&h_chain_, (size_t)(chain_max_ + 1) * kChainWords * sizeof(int32_t)));
+    MERLIN_CUDA_CHECK(cudaMallocHost(&h_chain_rows_, (size_t)chain_max_ * sizeof(RowSampling)));
+    d_chain_rows_ = static_cast<RowSampling*>(cuda::dev_alloc((size_t)chain_max_ * sizeof(RowSampling)));
     d_chain_ = dev_array<int32_t>((size_t)(chain_max_ + 1) * kChainWords);
   }
   d_ids_ = dev_array<int32_t>(B);
@@ -203,6 +205,8 @@ CudaBackend::~CudaBackend() {
   cudaFreeHost(h_in_);
   cudaFreeHost(h_chain_);
   cuda::dev_free(d_chain_);
+  cudaFreeHost(h_chain_rows_);
+  cuda::dev_free(d_chain_rows_);
   cudaFreeHost(h_logits_);
   cudaFreeHost(h_ids_);
   cudaFreeHost(h_rows_);
@@ -407,27 +411,70 @@ bool CudaBackend::chains_apply() const {
 
 int CudaBackend::decode_greedy(int32_t token, int32_t pos, int seq, int n_steps, int64_t n_vocab,
                                const std::function<bool(int32_t)>& on_token) {
-  if (!chains_apply() || n_steps < 2) return Backend::decode_greedy(token, pos, seq, n_steps, n_vocab, on_token);
+  if (!chains_apply() || n_steps < chain_max_) return Backend::decode_greedy(token, pos, seq, n_steps, n_vocab, on_token);
   MERLIN_CHECK(n_vocab == c_.vocab_size, "decode_greedy: vocabulary of ", n_vocab, " tokens, the model has ",
                c_.vocab_size);
+  return decode_chained(token, pos, seq, n_steps, nullptr, on_token);
+}
+
+int CudaBackend::decode_sample(int32_t token, int32_t pos, int seq, std::span<const RowSampling> rows,
+                               int64_t n_vocab, const std::function<bool(int32_t)>& on_token) {
+  // Sampled steps embed the drawn id through the first RMSNorm (PrepArgs::embd_rows guards a negative one).
+  const bool embed_reads = embed_fuse_ && !fuse_prep_ && !layers_.empty();
+  if (!chains_apply() || !embed_reads || rows.size() < (size_t)chain_max_)
+    return Backend::decode_sample(token, pos, seq, rows, n_vocab, on_token);
+  MERLIN_CHECK(n_vocab == c_.vocab_size, "decode_sample: vocabulary of ", n_vocab, " tokens, the model has ",
+               c_.vocab_size);
+  for (const RowSampling& r : rows)
+    MERLIN_CHECK(r.n_adjust == 0, "decode_sample: rows carry no adjustments");
+  return decode_chained(token, pos, seq, (int)rows.size(), rows.data(), on_token);
+}
+
+int CudaBackend::decode_chained(int32_t token, int32_t pos, int seq, int n_steps, const RowSampling* rows,
+                                const std::function<bool(int32_t)>& on_token) {
   std::vector<int32_t> ids((size_t)chain_max_);
+  const int k = chain_max_;
+  // Whether position p's attention fits the unsplit launch (attn_short_now_).
+  const auto short_at = [&](int p) { return attn_scratch_.n_split > 1 && p < attn_scratch_.chunk; };
   int done = 0;
   while (done < n_steps) {
-    int k = 1;  // powers of two: few graphs to capture for any length
-    while (2 * k <= std::min(chain_max_, n_steps - done)) k *= 2;
-    run_chain(token, pos + done, seq, k, ids.data());
-    for (int i = 0; i < k; ++i) {
+    const int p0 = pos + done;
+    // Only whole chains whose steps agree on the attention launch: two graphs per kind to capture (each costs
+    // milliseconds), the rest of the steps (a tail, the chain that would straddle the split boundary) one by one.
+    if (n_steps - done < k || short_at(p0) != short_at(p0 + k - 1)) {
+      Batch b;
+      b.add(token, p0, seq, true);
+      if (rows) forward_sample(b, c_.vocab_size, std::span<const RowSampling>(rows + done, 1), {}, &token);
+      else forward_greedy(b, c_.vocab_size, &token);
       ++done;
-      if (!on_token(ids[(size_t)i])) return done;
+      if (!on_token(token)) return done;
+      continue;
     }
-    token = ids[(size_t)k - 1];
+    run_chain(token, p0, seq, k, rows ? rows + done : nullptr, ids.data());
+    bool whole = true;
+    for (int i = 0; i < k; ++i) {
+      int32_t id = ids[(size_t)i];
+      if (id < 0) {
+        // A draw the device left to the host: steps from here on ran on a placeholder token. This step's
+        // K/V row is right (its input was valid); forward_sample runs it again and finishes the draw, and
+        // the next chain starts after it, overwriting the later rows.
+        Batch b;
+        b.add(i == 0 ? token : ids[(size_t)i - 1], pos + done, seq, true);
+        forward_sample(b, c_.vocab_size, std::span<const RowSampling>(rows + done, 1), {}, &id);
+        whole = false;
+      }
+      ++done;
+      if (!on_token(id)) return done;
+      token = id;
+      if (!whole) break;
+    }
   }
   return done;
 }
 
 // k one-token greedy steps of sequence seq at positions pos .. pos + k - 1 as one graph: one input copy
 // (every step's token, position, sequence, row and zeroed argmax key), k steps, one copy of the ids back.
-void CudaBackend::run_chain(int32_t token, int32_t pos, int seq, int k, int32_t* ids) {
+void CudaBackend::run_chain(int32_t token, int32_t pos, int seq, int k, const RowSampling* rows, int32_t* ids) {
   for (int i = 0; i < k; ++i) {  // positions and blocks checked as for k one-token steps
     Batch check;
     check.add(token, pos + i, seq, true);
@@ -444,9 +491,13 @@ void CudaBackend::run_chain(int32_t token, int32_t pos, int seq, int k, int32_t*
     if (i < k && attn_scratch_.n_split > 1 && pos + i < attn_scratch_.chunk) ++n_short;
   }
   flash_now_ = false;
+  if (rows) std::memcpy(h_chain_rows_, rows, (size_t)k * sizeof(RowSampling));
   const auto queue_chain = [&] {
     const size_t words = (size_t)(k + 1) * kChainWords;
     MERLIN_CUDA_CHECK(cudaMemcpyAsync(d_chain_, h_chain_, words * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    if (rows)
+      MERLIN_CUDA_CHECK(cudaMemcpyAsync(d_chain_rows_, h_chain_rows_, (size_t)k * sizeof(RowSampling),
+                                        cudaMemcpyHostToDevice, stream_));
     for (int i = 0; i < k; ++i) {
       int32_t* w = d_chain_ + (size_t)i * kChainWords;
       StepIo io;
@@ -455,17 +506,20 @@ void CudaBackend::run_chain(int32_t token, int32_t pos, int seq, int k, int32_t*
       io.seq = w + 2;
       io.rows = w + 3;
       io.key = reinterpret_cast<unsigned long long*>(w + 4);
-      if (i > 0 && head_argmax_) io.token_key = reinterpret_cast<const unsigned long long*>(w - kChainWords + 4);
+      if (i > 0 && head_argmax_ && !rows) io.token_key = reinterpret_cast<const unsigned long long*>(w - kChainWords + 4);
       io.ids = w + kChainWords;
       io.copy_out = false;
       attn_short_now_ = i < n_short;
-      enqueue(1, 1, Output::GreedyIds, io);
+      enqueue(1, 1, rows ? Output::DeviceLogits : Output::GreedyIds, io);
+      if (rows)
+        cuda::sample_rows(logits_, c_.vocab_size, 1, c_.vocab_size, d_chain_rows_ + i, d_adjust_, w + kChainWords,
+                          stream_, d_sample_work_);
     }
     MERLIN_CUDA_CHECK(cudaMemcpyAsync(h_chain_, d_chain_, words * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
   };
   bool captured = false;
-  // Chains are keyed apart from single steps (whose third field stays below 64) by length and short steps.
-  const cudaGraphExec_t exec = graph_for(std::make_tuple(k, 1, 64 + n_short), queue_chain, captured);
+  // Chains are keyed apart from single steps (whose third field stays below 64) by kind, length and short steps.
+  const cudaGraphExec_t exec = graph_for(std::make_tuple(k, 1, (rows ? 128 : 64) + n_short), queue_chain, captured);
   const auto wall0 = std::chrono::steady_clock::now();
   launch_graph(exec);
   MERLIN_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -474,7 +528,7 @@ void CudaBackend::run_chain(int32_t token, int32_t pos, int seq, int k, int32_t*
     const int32_t* w = h_chain_ + (size_t)i * kChainWords;
     unsigned long long key;
     std::memcpy(&key, w + 4, sizeof key);
-    ids[i] = head_argmax_ ? cuda::argmax_key_row(key) : w[kChainWords];
+    ids[i] = head_argmax_ && !rows ? cuda::argmax_key_row(key) : w[kChainWords];
   }
 }
 

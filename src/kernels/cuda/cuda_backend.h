@@ -92,6 +92,8 @@ class CudaBackend final : public Backend {
                       std::span<const LogitAdjust> adjust, int32_t* tokens) override;
   int decode_greedy(int32_t token, int32_t pos, int seq, int n_steps, int64_t n_vocab,
                     const std::function<bool(int32_t)>& on_token) override;
+  int decode_sample(int32_t token, int32_t pos, int seq, std::span<const RowSampling> rows, int64_t n_vocab,
+                    const std::function<bool(int32_t)>& on_token) override;
   void clear_sequence(int seq) override {
     MERLIN_CHECK(seq >= 0 && seq < n_seq_, "sequence ", seq, " out of range");  // cached rows are overwritten
   }
@@ -139,15 +141,24 @@ class CudaBackend final : public Backend {
                             bool& captured);
   // Chained greedy steps (decode_greedy): one graph of k one-token steps, step i > 0 embedding the argmax of
   // step i - 1, so neither the host's wake-up and launch nor the input / id copies sit between tokens.
-  // Chains of powers of two up to chain_max_ steps (MERLIN_CUDA_CHAIN=N; 0 or 1: one forward_greedy per token).
+  // Chains of exactly chain_max_ steps (MERLIN_CUDA_CHAIN=N; 0 or 1: one forward_greedy per token), see
+  // decode_chained.
   // Step i reads row i of the chain buffer; its id goes to row i's argmax key (fused argmax: step i + 1's
   // first RMSNorm decodes it) or, from argmax_rows, straight into row i + 1's token.
   static constexpr int kChainWords = 6;  // per step: token, pos, seq, logits row, argmax key (2 words)
   int chain_max_ = 16;
+  // Sampled chains: step i draws with row i (sample_rows) straight into row i + 1's token; a draw the device
+  // leaves to the host (a negative id) ends the chain's valid steps there (decode_chained redoes that step).
+  RowSampling* h_chain_rows_ = nullptr;  // [chain_max_], pinned
+  RowSampling* d_chain_rows_ = nullptr;
   int32_t* h_chain_ = nullptr;  // [chain_max_ + 1][kChainWords], pinned
   int32_t* d_chain_ = nullptr;
   bool chains_apply() const;
-  void run_chain(int32_t token, int32_t pos, int seq, int k, int32_t* ids);
+  // rows: the k steps' draws, or null (greedy).
+  void run_chain(int32_t token, int32_t pos, int seq, int k, const RowSampling* rows, int32_t* ids);
+  // decode_greedy (rows null) and decode_sample through chains.
+  int decode_chained(int32_t token, int32_t pos, int seq, int n_steps, const RowSampling* rows,
+                     const std::function<bool(int32_t)>& on_token);
   ActBuf& act(ActKind kind, int64_t k);
   bool use_gemm(const Linear& l, int n) const;
   void prepare_inputs(const cuda::PrepArgs& p, const Linear& l, int n, bool gemm);

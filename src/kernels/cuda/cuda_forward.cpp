@@ -225,6 +225,7 @@ void CudaBackend::enqueue(int n, int n_out, Output out, const StepIo& io) {
       norm.embd_type = e.type;
       norm.embd_row_bytes = e.row_bytes;
       norm.d_embed_x = x_;
+      norm.embd_rows = e.rows;
     }
     const cuda::KvArgs kv{L.k, L.v, kv_elem_ == 2, block_size_, max_blocks_, table_, kv_q8_, L.ks, L.vs};
     stage_ = kQkv;
@@ -270,7 +271,7 @@ void CudaBackend::enqueue(int n, int n_out, Output out, const StepIo& io) {
       return;
     }
     run_linear(head_, fin, n_out, logits_, c_.vocab_size, c_.vocab_size, false, false, attn_folded ? &folded : nullptr);
-    MERLIN_CHECK(io.copy_out || out == Output::GreedyIds, "internal: only greedy ids stay on the device");
+    MERLIN_CHECK(io.copy_out || out != Output::Logits, "internal: logits rows always go to the host");
     if (out == Output::GreedyIds) {
       int32_t* ids = io.ids ? io.ids : d_ids_;
       queue(kArgmax, [&] { return cuda::argmax_rows(logits_, c_.vocab_size, n_out, c_.vocab_size, ids, stream_), true; });

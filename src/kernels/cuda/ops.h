@@ -99,6 +99,9 @@ struct PrepArgs {
   // With d_tokens: the (one) token is instead argmax_key_row(*d_token_key), the argmax key a previous step's
   // head product wrote (matvec1_argmax): chained greedy steps feed their own output without the host.
   const unsigned long long* d_token_key = nullptr;
+  // With d_tokens: the table's rows. A token outside [0, embd_rows) reads row 0 instead: a sampled chain's
+  // step after a draw the device left to the host (a negative id) runs on it, and its results are dropped.
+  int64_t embd_rows = 0;
 };
 void prep_act(const PrepArgs& p, int n, ActBuf& out, Stream stream);
 
