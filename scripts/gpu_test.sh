@@ -35,7 +35,7 @@ fi
 if has sanitize; then
   # memcheck over the kernel tests and the backend's graph / paged paths (the slow whole-model parity tests
   # run the same kernels and are left out to keep the run short).
-  for spec in "cuda_kernels_test:CudaKernels.*" "cuda_matvec1_test:CudaMatvec1.*:CudaMatmulNorm.*" "cuda_sample_test:CudaSample.*" "cuda_gemm_test:CudaGemm.*" "cuda_attention_test:CudaFlash*:CudaAttention.Q8*" "cuda_backend_test:CudaBackend.GraphReplay*:CudaBackend.Paged*:CudaBackend.GreedyIds*:CudaBackend.SampledIds*:CudaBackend.DecodeGreedy*"; do
+  for spec in "cuda_kernels_test:CudaKernels.*" "cuda_matvec1_test:CudaMatvec1.*:CudaMatmulNorm.*" "cuda_sample_test:CudaSample.*" "cuda_gemm_test:CudaGemm.*" "cuda_attention_test:CudaFlash*:CudaAttention.Q8*" "cuda_backend_test:CudaBackend.GraphReplay*:CudaBackend.Paged*:CudaBackend.GreedyIds*:CudaBackend.SampledIds*:CudaBackend.DecodeGreedy*:CudaBackend.DecodeSample*"; do
     bin=${spec%%:*}; filter=${spec#*:}
     if "$SAN" --tool memcheck --error-exitcode 3 "$BIN/$bin" --gtest_brief=1 --gtest_filter="$filter" \
         >>"$OUT/sanitize.log" 2>&1; then log "memcheck clean: $bin ($filter)"; else log "memcheck FAILED: $bin"; status=1; fi

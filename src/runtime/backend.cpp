@@ -25,6 +25,18 @@ int Backend::decode_greedy(int32_t token, int32_t pos, int seq, int n_steps, int
   return n_steps;
 }
 
+int Backend::decode_sample(int32_t token, int32_t pos, int seq, std::span<const RowSampling> rows, int64_t n_vocab,
+                           const std::function<bool(int32_t)>& on_token) {
+  Batch batch;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    batch.clear();
+    batch.add(token, pos + (int32_t)i, seq, true);
+    forward_sample(batch, n_vocab, rows.subspan(i, 1), {}, &token);
+    if (!on_token(token)) return (int)i + 1;
+  }
+  return (int)rows.size();
+}
+
 void Backend::forward_sample(const Batch& batch, int64_t n_vocab, std::span<const RowSampling> rows,
                              std::span<const LogitAdjust> adjust, int32_t* tokens) {
   const size_t n_rows = batch.n_logits();

@@ -86,6 +86,11 @@ class Backend {
   // replays chains of steps as one graph whose steps take their token from the previous step's argmax.
   virtual int decode_greedy(int32_t token, int32_t pos, int seq, int n_steps, int64_t n_vocab,
                             const std::function<bool(int32_t)>& on_token);
+  // The same with sampling: step i draws its id as forward_sample does with rows[i] (no adjustments), for
+  // rows.size() steps at most. The default runs forward_sample per step; the CUDA backend chains the steps
+  // with the draws on the device.
+  virtual int decode_sample(int32_t token, int32_t pos, int seq, std::span<const RowSampling> rows,
+                            int64_t n_vocab, const std::function<bool(int32_t)>& on_token);
   // Forgets everything cached for a sequence (the next token of it starts at position 0).
   virtual void clear_sequence(int seq) = 0;
 

@@ -126,12 +126,21 @@ GenerateStats generate(const Model& model, Backend& backend, const std::vector<i
   st.prompt_seconds = now_seconds() - t0;
   t0 = now_seconds();
   bool go = take(tok);
-  if (go && picker.greedy() && opts.use_kv_cache) {
-    // Plain greedy: the backend may run several steps per round trip (decode_greedy); each step feeds the
-    // previous token at the next position while the context has room.
-    const int want = opts.n_predict - 1, room = backend.n_ctx() - (int)seq_tokens.size();
-    backend.decode_greedy(seq_tokens.back(), (int)seq_tokens.size() - 1, opts.seq, std::min(want, room), vocab,
-                          [&](int32_t t) { return go = take(t); });
+  // With the cache, each step feeds the previous token at the next position while the context has room, and
+  // the backend may run several steps per round trip: plain greedy (decode_greedy), or draws a RowSampling
+  // carries (decode_sample; 64 at a time, each taking the sampler's next uniform as a step-by-step run would).
+  const int want = opts.n_predict - 1, room = backend.n_ctx() - (int)seq_tokens.size();
+  const auto next = [&](int32_t t) { return go = take(t); };
+  if (go && opts.use_kv_cache && picker.greedy()) {
+    backend.decode_greedy(seq_tokens.back(), (int)seq_tokens.size() - 1, opts.seq, std::min(want, room), vocab, next);
+    if (go && want > room) st.stop_reason = "context";
+  } else if (go && opts.use_kv_cache && opts.sampling.repeat_penalty == 1.0f) {
+    std::vector<RowSampling> rows;
+    for (int left = std::min(want, room); go && left > 0; left -= (int)rows.size()) {
+      rows.resize((size_t)std::min(left, 64));
+      for (RowSampling& r : rows) sampler.row_sampling(r);  // always true without a repetition penalty
+      backend.decode_sample(seq_tokens.back(), (int)seq_tokens.size() - 1, opts.seq, rows, vocab, next);
+    }
     if (go && want > room) st.stop_reason = "context";
   } else {
     Batch batch;

@@ -424,12 +424,12 @@ TEST(CudaBackend, GreedyMatchesCpuOnDefaultModel) {
   std::printf("[ default ] %s\n", m->tokenizer().decode(got).c_str());
 }
 
-// decode_greedy replays chains of steps whose tokens come from the previous step's argmax on the device: the
-// same ids as one forward_greedy per step (MERLIN_CUDA_CHAIN=0), with the argmax in the head's product or
-// after it, across chains of every length (16 .. 1) and across the position (256) where the attention starts
-// to split; and a stop mid-chain loses nothing: a second call from the last delivered id continues as the
-// uninterrupted run.
-TEST(CudaBackend, DecodeGreedyChainsMatchSingleSteps) {
+// decode_greedy runs its steps in device-side loops, each step's token the previous step's argmax on the
+// device: the same ids as one forward_greedy per step (MERLIN_CUDA_CHAIN=0), with the argmax in the head's
+// product or after it, before and after the position (256) where the attention starts to split (a loop
+// stops there); and a stop mid-run loses nothing: a second call from the last delivered id continues as the
+// uninterrupted run. The loops must run (no fallback to single steps, which would also give these ids).
+TEST(CudaBackend, DecodeGreedyLoopsMatchSingleSteps) {
   REQUIRE_GPU();
   test::TempDir dir;
   const std::string f32 = dir.file("chain-f32.gguf");
@@ -443,7 +443,7 @@ TEST(CudaBackend, DecodeGreedyChainsMatchSingleSteps) {
     const int64_t vocab = m->config().vocab_size;
     std::vector<int32_t> prompt(230);
     for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = (int32_t)((i * 7919 + 13) % (size_t)vocab);
-    const int start = (int)prompt.size(), n = 75;  // chains of 16, 16, 16, 16, 8, 2, 1 from position 230
+    const int start = (int)prompt.size(), n = 75;  // loops of 16, 10 (to position 256), 16, 16, 16 and 1
 
     ::setenv("MERLIN_CUDA_CHAIN", "0", 1);
     auto single = make_backend("cuda", *m, opts_with());
@@ -463,10 +463,12 @@ TEST(CudaBackend, DecodeGreedyChainsMatchSingleSteps) {
       want.push_back(tok);
     }
     std::vector<int32_t> got;
+    testing::internal::CaptureStderr();
     EXPECT_EQ(chained->decode_greedy(first, start, 0, n, vocab, [&](int32_t id) {
       got.push_back(id);
       return true;
     }), n);
+    EXPECT_EQ(testing::internal::GetCapturedStderr().find("decode loops unavailable"), std::string::npos);
     EXPECT_EQ(got, want);
     EXPECT_GT(std::set<int32_t>(want.begin(), want.end()).size(), 4u);  // not one token repeated
 
@@ -482,6 +484,62 @@ TEST(CudaBackend, DecodeGreedyChainsMatchSingleSteps) {
     }), n - 21);
     EXPECT_EQ(got, want);
   }
+}
+
+// decode_sample loops over the draws as well (sample_rows on the device in each step): the same ids as
+// forward_sample step by step, also when a draw in the middle of a loop is one the device leaves to the host
+// (top-k 2,000 keeps more candidates than it collects): the loop stops there, that step runs again through
+// forward_sample and the next loop resumes after it.
+TEST(CudaBackend, DecodeSampleLoopsMatchSingleSteps) {
+  REQUIRE_GPU();
+  auto m = Model::load(Models::get().path(DType::Q8_0));
+  const int64_t vocab = m->config().vocab_size;
+  std::vector<int32_t> prompt(20);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = (int32_t)((i * 7919 + 13) % (size_t)vocab);
+  const int start = (int)prompt.size();
+  Rng rng(99);
+  std::vector<RowSampling> rows(40);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    RowSampling& r = rows[i];
+    r.temperature = 0.9f;
+    r.top_k = 40;
+    r.top_p = 0.95f;
+    r.min_p = 0.02f;
+    if (i == 21) {
+      r.temperature = 1.0f;
+      r.top_k = 2000;
+      r.top_p = 1.0f;
+      r.min_p = 0.0f;
+    }
+    r.u = rng.uniform_double();
+  }
+  ::setenv("MERLIN_CUDA_CHAIN", "0", 1);
+  auto single = make_backend("cuda", *m, opts_with());
+  ::unsetenv("MERLIN_CUDA_CHAIN");
+  auto chained = make_backend("cuda", *m, opts_with());
+  int32_t first = 0;
+  for (Backend* b : {single.get(), chained.get()}) {
+    std::vector<float> row = prefill(*m, *b, prompt, 0, 0, false);
+    first = argmax(row.data(), vocab);
+  }
+  std::vector<int32_t> want;
+  int32_t tok = first;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    Batch batch;
+    batch.add(tok, start + (int)i, 0, true);
+    single->forward_sample(batch, vocab, std::span<const RowSampling>(&rows[i], 1), {}, &tok);
+    want.push_back(tok);
+  }
+  std::vector<int32_t> got;
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(chained->decode_sample(first, start, 0, rows, vocab, [&](int32_t id) {
+    got.push_back(id);
+    return true;
+  }), (int)rows.size());
+  EXPECT_EQ(testing::internal::GetCapturedStderr().find("decode loops unavailable"), std::string::npos);
+  EXPECT_EQ(got, want);
+  EXPECT_GT(std::set<int32_t>(want.begin(), want.end()).size(), 10u);  // drawn, not one token repeated
+  for (int32_t id : got) EXPECT_TRUE(id >= 0 && id < vocab);
 }
 
 TEST(CudaBackend, GraphReplayIsBitIdenticalToEager) {

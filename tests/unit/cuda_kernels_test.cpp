@@ -206,6 +206,7 @@ TEST(CudaKernels, EmbeddingRowsAreBitExact) {
       fused.embd_type = t;
       fused.embd_row_bytes = row_bytes;
       fused.d_embed_x = dx2;
+      fused.embd_rows = rows;
       cu::prep_act(fused, n, got, nullptr);
       cu::sync_device();
       EXPECT_EQ(download(dx2, toks.size() * dim), download(dx, toks.size() * dim)) << "residual rows";

@@ -7,7 +7,6 @@
 // they write the rows and the fragment-ordered copy the batched products read.
 #include "kernels/cuda/act_impl.cuh"
 #include "kernels/cuda/common.cuh"
-#include "kernels/cuda/matvec1.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/raw_formats.cuh"
 
@@ -28,7 +27,8 @@ __global__ void __launch_bounds__(kPrepThreads) prep_kernel(PrepArgs p, ActBuf o
   pdl_wait();
   if constexpr (Mode == (int)Prep::RmsNorm) {
     if (p.d_tokens) {  // the first layer: x is the token's embedding row, written here too (embed_kernel's values)
-      const int32_t token = p.d_token_key ? argmax_key_row(*p.d_token_key) : p.d_tokens[t];
+      int32_t token = p.d_tokens[t];
+      if (token < 0 || token >= p.embd_rows) token = 0;
       const uint8_t* row = p.embd + (size_t)token * p.embd_row_bytes;
       double ss = 0.0;  // row_scale's sum, over the same values in the same order
       for (int64_t j = threadIdx.x; j < k; j += kPrepThreads) {
@@ -119,9 +119,9 @@ void act_free(ActBuf& a) {
 
 void prep_act(const PrepArgs& p, int n, ActBuf& out, Stream s) {
   if (n <= 0) return;
-  MERLIN_CHECK(!p.d_tokens || (p.mode == Prep::RmsNorm && !p.d_rows && p.embd && p.d_embed_x && p.ld >= out.k),
+  MERLIN_CHECK(!p.d_tokens || (p.mode == Prep::RmsNorm && !p.d_rows && p.embd && p.d_embed_x && p.ld >= out.k &&
+                               p.embd_rows > 0),
                "prep_act: embedding rows need an RmsNorm of rows t, the table and the residual rows");
-  MERLIN_CHECK(!p.d_token_key || (p.d_tokens && n == 1), "prep_act: a token from an argmax key is one embedding row");
   MERLIN_CHECK(n <= out.n_cap, "prep_act: ", n, " rows exceed the buffer's ", out.n_cap);
   switch (out.kind) {
     case ActKind::F32: launch_prep<0>(p, n, out, s); break;

@@ -61,7 +61,7 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   if (const char* f = std::getenv("MERLIN_CUDA_NORM_FOLD_MM")) norm_fold_mm_ = std::clamp(std::atoi(f), 0, kGraphMaxTokens);
   split_attention_ = !env_is("MERLIN_CUDA_SPLITK", "0");
   twice_ = parse_stages(std::getenv("MERLIN_CUDA_TWICE"));
-  if (const char* v = std::getenv("MERLIN_CUDA_CHAIN")) chain_max_ = std::clamp(std::atoi(v), 0, 64);
+  if (const char* v = std::getenv("MERLIN_CUDA_CHAIN")) chain_max_ = std::clamp(std::atoi(v), 0, cuda::kChainMax);
   if (env_is("MERLIN_CUDA_STEP_TIMING", "1")) {
     MERLIN_CUDA_CHECK(cudaEventCreate(&timing_.start));
     MERLIN_CUDA_CHECK(cudaEventCreate(&timing_.end));
@@ -142,8 +142,11 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   d_tiles_ = static_cast<cuda::AttnTile*>(cuda::dev_alloc(B * sizeof(cuda::AttnTile)));
   d_in_ = dev_array<int32_t>(in_words());
   if (chain_max_ > 1) {
-    MERLIN_CUDA_CHECK(cudaMallocHost(&h_chain_, (size_t)(chain_max_ + 1) * kChainWords * sizeof(int32_t)));
-    d_chain_ = dev_array<int32_t>((size_t)(chain_max_ + 1) * kChainWords);
+    MERLIN_CUDA_CHECK(cudaMallocHost(&h_chain_, sizeof(cuda::ChainState)));
+    std::memset(static_cast<void*>(h_chain_), 0, sizeof(cuda::ChainState));
+    d_chain_ = static_cast<cuda::ChainState*>(cuda::dev_alloc(sizeof(cuda::ChainState)));
+    MERLIN_CUDA_CHECK(cudaMallocHost(&h_chain_ids_, cuda::kChainMax * sizeof(int32_t)));
+    d_chain_ids_ = dev_array<int32_t>(cuda::kChainMax);
   }
   d_ids_ = dev_array<int32_t>(B);
   x_ = dev_array<float>(B * c_.dim);
@@ -178,6 +181,11 @@ CudaBackend::~CudaBackend() {
     cudaEventDestroy(timing_.end);
   }
   for (auto& [shape, g] : graphs_by_shape_) cudaGraphExecDestroy(g);
+  for (auto& by_kind : loops_)
+    for (Loop& l : by_kind) {
+      if (l.exec) cudaGraphExecDestroy(l.exec);
+      if (l.graph) cudaGraphDestroy(l.graph);
+    }
   gemm_.reset();
   auto free_linear = [](Linear& l) {
     for (Matrix& m : l.mats) cuda::free_matrix(m);
@@ -203,6 +211,8 @@ CudaBackend::~CudaBackend() {
   cudaFreeHost(h_in_);
   cudaFreeHost(h_chain_);
   cuda::dev_free(d_chain_);
+  cudaFreeHost(h_chain_ids_);
+  cuda::dev_free(d_chain_ids_);
   cudaFreeHost(h_logits_);
   cudaFreeHost(h_ids_);
   cudaFreeHost(h_rows_);
@@ -400,82 +410,148 @@ void CudaBackend::add_timing(int steps, std::chrono::steady_clock::time_point wa
   timing_.steps += steps;
 }
 
-bool CudaBackend::chains_apply() const {
-  const bool key_feeds = embed_fuse_ && !fuse_prep_ && !layers_.empty();  // where a fused argmax's key is read
-  return chain_max_ > 1 && graphs_ && !twice_ && (!head_argmax_ || key_feeds);
+bool CudaBackend::loops_apply(bool sampled) const {
+  // Sampled steps need the device's draw (its slices) and no adjustments.
+  return chain_max_ > 1 && graphs_ && !twice_ && !loops_broken_ && (!sampled || d_sample_work_);
 }
 
 int CudaBackend::decode_greedy(int32_t token, int32_t pos, int seq, int n_steps, int64_t n_vocab,
                                const std::function<bool(int32_t)>& on_token) {
-  if (!chains_apply() || n_steps < 2) return Backend::decode_greedy(token, pos, seq, n_steps, n_vocab, on_token);
+  if (!loops_apply(false) || n_steps < 2) return Backend::decode_greedy(token, pos, seq, n_steps, n_vocab, on_token);
   MERLIN_CHECK(n_vocab == c_.vocab_size, "decode_greedy: vocabulary of ", n_vocab, " tokens, the model has ",
                c_.vocab_size);
+  return decode_looped(token, pos, seq, n_steps, nullptr, on_token);
+}
+
+int CudaBackend::decode_sample(int32_t token, int32_t pos, int seq, std::span<const RowSampling> rows,
+                               int64_t n_vocab, const std::function<bool(int32_t)>& on_token) {
+  if (!loops_apply(true) || rows.size() < 2) return Backend::decode_sample(token, pos, seq, rows, n_vocab, on_token);
+  MERLIN_CHECK(n_vocab == c_.vocab_size, "decode_sample: vocabulary of ", n_vocab, " tokens, the model has ",
+               c_.vocab_size);
+  for (const RowSampling& r : rows) MERLIN_CHECK(r.n_adjust == 0, "decode_sample: rows carry no adjustments");
+  return decode_looped(token, pos, seq, (int)rows.size(), rows.data(), on_token);
+}
+
+int CudaBackend::decode_looped(int32_t token, int32_t pos, int seq, int n_steps, const RowSampling* rows,
+                               const std::function<bool(int32_t)>& on_token) {
   std::vector<int32_t> ids((size_t)chain_max_);
+  // Whether position p's attention fits the unsplit launch (attn_short_now_): a loop's steps must agree.
+  const auto short_at = [&](int p) { return attn_scratch_.n_split > 1 && p < attn_scratch_.chunk; };
   int done = 0;
   while (done < n_steps) {
-    int k = 1;  // powers of two: few graphs to capture for any length
-    while (2 * k <= std::min(chain_max_, n_steps - done)) k *= 2;
-    run_chain(token, pos + done, seq, k, ids.data());
-    for (int i = 0; i < k; ++i) {
+    const int p0 = pos + done;
+    int k = std::min(chain_max_, n_steps - done);
+    if (short_at(p0) && !short_at(p0 + k - 1)) k = attn_scratch_.chunk - p0;
+    const int got = loops_broken_ ? 0 : run_loop(token, p0, seq, k, rows ? rows + done : nullptr, ids.data());
+    for (int i = 0; i < got; ++i) {
       ++done;
       if (!on_token(ids[(size_t)i])) return done;
+      token = ids[(size_t)i];
     }
-    token = ids[(size_t)k - 1];
+    if (got == k) continue;
+    // A draw the device left to the host (its input was valid, so its K/V row is right: run it again through
+    // forward_sample), or no loop at all: one plain step.
+    Batch b;
+    b.add(token, pos + done, seq, true);
+    if (rows) forward_sample(b, c_.vocab_size, std::span<const RowSampling>(rows + done, 1), {}, &token);
+    else forward_greedy(b, c_.vocab_size, &token);
+    ++done;
+    if (!on_token(token)) return done;
   }
   return done;
 }
 
-// k one-token greedy steps of sequence seq at positions pos .. pos + k - 1 as one graph: one input copy
-// (every step's token, position, sequence, row and zeroed argmax key), k steps, one copy of the ids back.
-void CudaBackend::run_chain(int32_t token, int32_t pos, int seq, int k, int32_t* ids) {
+// The loop graph: [state in] -> while (condition) { one step; chain_advance } -> [ids out]. Built from the
+// graph API around one captured step, since stream capture cannot make the while node itself. Null (and
+// loops_broken_, with a warning) where the driver refuses it.
+cudaGraphExec_t CudaBackend::loop_graph(bool sampled, bool short_attn) {
+  Loop& l = loops_[sampled][short_attn];
+  if (l.exec) return l.exec;
+  cudaGraph_t g = nullptr, body = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  bool capturing = false;
+  try {
+    MERLIN_CUDA_CHECK(cudaGraphCreate(&g, 0));
+    cudaGraphNode_t in = nullptr, loop = nullptr, out = nullptr;
+    MERLIN_CUDA_CHECK(cudaGraphAddMemcpyNode1D(&in, g, nullptr, 0, d_chain_, h_chain_, sizeof(cuda::ChainState),
+                                               cudaMemcpyHostToDevice));
+    cudaGraphConditionalHandle handle{};
+    MERLIN_CUDA_CHECK(cudaGraphConditionalHandleCreate(&handle, g, 1, cudaGraphCondAssignDefault));
+    cudaGraphNodeParams cp{};
+    cp.type = cudaGraphNodeTypeConditional;
+    cp.conditional.handle = handle;
+    cp.conditional.type = cudaGraphCondTypeWhile;
+    cp.conditional.size = 1;
+    MERLIN_CUDA_CHECK(cudaGraphAddNode(&loop, g, &in, nullptr, 1, &cp));
+    body = cp.conditional.phGraph_out[0];
+    MERLIN_CUDA_CHECK(cudaStreamBeginCaptureToGraph(stream_, body, nullptr, nullptr, 0, cudaStreamCaptureModeThreadLocal));
+    capturing = true;
+    {
+      const cuda::PdlScope pdl;
+      StepIo io;
+      io.tokens = &d_chain_->token;
+      io.pos = &d_chain_->pos;
+      io.seq = &d_chain_->seq;
+      io.rows = &d_chain_->row;
+      io.key = &d_chain_->key;
+      io.ids = &d_chain_->token;  // argmax_rows' id is the next step's token
+      io.copy_out = false;
+      flash_now_ = false;
+      attn_short_now_ = short_attn;
+      enqueue(1, 1, sampled ? Output::DeviceLogits : Output::GreedyIds, io);
+      if (sampled)
+        cuda::sample_rows(logits_, c_.vocab_size, 1, c_.vocab_size, &d_chain_->cur, d_adjust_, &d_chain_->token,
+                          stream_, d_sample_work_);
+      cuda::chain_advance(d_chain_, d_chain_ids_, handle, stream_);
+    }
+    capturing = false;
+    MERLIN_CUDA_CHECK(cudaStreamEndCapture(stream_, &body));
+    MERLIN_CUDA_CHECK(cudaGraphAddMemcpyNode1D(&out, g, &loop, 1, h_chain_ids_, d_chain_ids_,
+                                               cuda::kChainMax * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    MERLIN_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+  } catch (const Error& e) {
+    if (capturing) cudaStreamEndCapture(stream_, &body);
+    if (g) cudaGraphDestroy(g);
+    cudaGetLastError();
+    std::fprintf(stderr, "[cuda] decode loops unavailable, one graph launch per token: %s\n", e.what());
+    loops_broken_ = true;
+    return nullptr;
+  }
+  l.graph = g;
+  l.exec = exec;
+  return exec;
+}
+
+int CudaBackend::run_loop(int32_t token, int32_t pos, int seq, int k, const RowSampling* rows, int32_t* ids) {
   for (int i = 0; i < k; ++i) {  // positions and blocks checked as for k one-token steps
     Batch check;
     check.add(token, pos + i, seq, true);
     validate(check);
   }
-  int n_short = 0;  // leading steps whose attention fits one split chunk (attn_short_now_)
-  for (int i = 0; i <= k; ++i) {  // row k only receives the last id (argmax_rows)
-    int32_t* w = h_chain_ + (size_t)i * kChainWords;
-    w[0] = i == 0 ? token : 0;
-    w[1] = pos + i;
-    w[2] = seq;
-    w[3] = 0;
-    w[4] = w[5] = 0;
-    if (i < k && attn_scratch_.n_split > 1 && pos + i < attn_scratch_.chunk) ++n_short;
+  const bool short_attn = attn_scratch_.n_split > 1 && pos < attn_scratch_.chunk;
+  const bool first = !loops_[rows != nullptr][short_attn].exec;
+  const cudaGraphExec_t exec = loop_graph(rows != nullptr, short_attn);
+  if (!exec) return 0;
+  cuda::ChainState& st = *h_chain_;
+  st.token = token;
+  st.pos = pos;
+  st.seq = seq;
+  st.row = 0;
+  st.key = 0;
+  st.i = 0;
+  st.k = k;
+  st.fused = !rows && head_argmax_;
+  if (rows) {
+    std::copy(rows, rows + k, st.rows);
+    st.cur = rows[0];
   }
-  flash_now_ = false;
-  const auto queue_chain = [&] {
-    const size_t words = (size_t)(k + 1) * kChainWords;
-    MERLIN_CUDA_CHECK(cudaMemcpyAsync(d_chain_, h_chain_, words * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
-    for (int i = 0; i < k; ++i) {
-      int32_t* w = d_chain_ + (size_t)i * kChainWords;
-      StepIo io;
-      io.tokens = w;
-      io.pos = w + 1;
-      io.seq = w + 2;
-      io.rows = w + 3;
-      io.key = reinterpret_cast<unsigned long long*>(w + 4);
-      if (i > 0 && head_argmax_) io.token_key = reinterpret_cast<const unsigned long long*>(w - kChainWords + 4);
-      io.ids = w + kChainWords;
-      io.copy_out = false;
-      attn_short_now_ = i < n_short;
-      enqueue(1, 1, Output::GreedyIds, io);
-    }
-    MERLIN_CUDA_CHECK(cudaMemcpyAsync(h_chain_, d_chain_, words * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
-  };
-  bool captured = false;
-  // Chains are keyed apart from single steps (whose third field stays below 64) by length and short steps.
-  const cudaGraphExec_t exec = graph_for(std::make_tuple(k, 1, 64 + n_short), queue_chain, captured);
   const auto wall0 = std::chrono::steady_clock::now();
   launch_graph(exec);
   MERLIN_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  if (!captured) add_timing(k, wall0);
-  for (int i = 0; i < k; ++i) {
-    const int32_t* w = h_chain_ + (size_t)i * kChainWords;
-    unsigned long long key;
-    std::memcpy(&key, w + 4, sizeof key);
-    ids[i] = head_argmax_ ? cuda::argmax_key_row(key) : w[kChainWords];
-  }
+  int got = 0;
+  while (got < k && h_chain_ids_[got] >= 0) ids[got] = h_chain_ids_[got], ++got;
+  if (!first) add_timing(got + (got < k), wall0);
+  return got;
 }
 
 // Runs one step (graph replay for decode-sized batches) and waits for it; returns the number of logits rows.

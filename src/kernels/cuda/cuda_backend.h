@@ -22,9 +22,9 @@
 // Decode-sized batches (up to kGraphMaxTokens tokens) run as a CUDA graph captured once per step shape and
 // replayed; tokens, positions, sequences and rows travel through fixed device buffers that the graph's first
 // node fills from pinned host memory. MERLIN_CUDA_GRAPHS=0 turns graphs off. Kernels use programmatic
-// dependent launch inside graphs only (cuda_api.h, PdlScope). Greedy decoding of one sequence
-// (decode_greedy) replays chains of up to 16 one-token steps as one graph, each step's first RMSNorm
-// embedding the previous step's argmax (PrepArgs::d_token_key): no token goes through the host in between.
+// dependent launch inside graphs only (cuda_api.h, PdlScope). Decoding one sequence (decode_greedy,
+// decode_sample) runs up to 16 one-token steps per graph launch in a device-side loop (a while node over one
+// step and chain_advance): no token goes through the host in between.
 //
 // The class is shared by cuda_backend.cpp (set-up, steps, sampling) and cuda_forward.cpp (the layers of a
 // step, enqueue); internal to the CUDA backend.
@@ -92,6 +92,8 @@ class CudaBackend final : public Backend {
                       std::span<const LogitAdjust> adjust, int32_t* tokens) override;
   int decode_greedy(int32_t token, int32_t pos, int seq, int n_steps, int64_t n_vocab,
                     const std::function<bool(int32_t)>& on_token) override;
+  int decode_sample(int32_t token, int32_t pos, int seq, std::span<const RowSampling> rows, int64_t n_vocab,
+                    const std::function<bool(int32_t)>& on_token) override;
   void clear_sequence(int seq) override {
     MERLIN_CHECK(seq >= 0 && seq < n_seq_, "sequence ", seq, " out of range");  // cached rows are overwritten
   }
@@ -123,10 +125,9 @@ class CudaBackend final : public Backend {
   // Where a step's kernels read their inputs and put a fused argmax (device pointers).
   struct StepIo {
     const int32_t *tokens = nullptr, *pos = nullptr, *seq = nullptr, *rows = nullptr;
-    unsigned long long* key = nullptr;              // the fused argmax's key, zero before the step
-    const unsigned long long* token_key = nullptr;  // a chained step's token: this key's row (PrepArgs)
-    int32_t* ids = nullptr;                         // argmax_rows' output (null: d_ids_)
-    bool copy_out = true;                           // queue the result's copy to pinned host memory
+    unsigned long long* key = nullptr;  // the fused argmax's key, zero before the step
+    int32_t* ids = nullptr;             // argmax_rows' output (null: d_ids_)
+    bool copy_out = true;               // queue the result's copy to pinned host memory
   };
   StepIo step_io() const;  // run_step's: d_in_, filled from h_in_
   void enqueue(int n, int n_out, Output out, const StepIo& io);
@@ -137,17 +138,31 @@ class CudaBackend final : public Backend {
   // The replayable graph for `shape`, captured from `queue_step` the first time; captured: it was just made.
   cudaGraphExec_t graph_for(const std::tuple<int, int, int>& shape, const std::function<void()>& queue_step,
                             bool& captured);
-  // Chained greedy steps (decode_greedy): one graph of k one-token steps, step i > 0 embedding the argmax of
-  // step i - 1, so neither the host's wake-up and launch nor the input / id copies sit between tokens.
-  // Chains of powers of two up to chain_max_ steps (MERLIN_CUDA_CHAIN=N; 0 or 1: one forward_greedy per token).
-  // Step i reads row i of the chain buffer; its id goes to row i's argmax key (fused argmax: step i + 1's
-  // first RMSNorm decodes it) or, from argmax_rows, straight into row i + 1's token.
-  static constexpr int kChainWords = 6;  // per step: token, pos, seq, logits row, argmax key (2 words)
+  // Decode loops (decode_greedy, decode_sample): one graph per kind (greedy or sampled) and attention launch
+  // (attn_short_now_) holds a while node whose body is one one-token step reading its input from the
+  // ChainState (ops.h) and chain_advance, which records the id and moves the state on; a launch runs k steps
+  // (1 .. chain_max_, set in the state the graph's first node copies in) and copies the ids back. So a loop
+  // costs one step's capture, whatever its length, where a graph of k unrolled steps cost milliseconds per
+  // length (docs/GPU.md). MERLIN_CUDA_CHAIN=N: at most N steps per launch (0 or 1: one step per launch).
   int chain_max_ = 16;
-  int32_t* h_chain_ = nullptr;  // [chain_max_ + 1][kChainWords], pinned
-  int32_t* d_chain_ = nullptr;
-  bool chains_apply() const;
-  void run_chain(int32_t token, int32_t pos, int seq, int k, int32_t* ids);
+  cuda::ChainState* h_chain_ = nullptr;  // pinned
+  cuda::ChainState* d_chain_ = nullptr;
+  int32_t* h_chain_ids_ = nullptr;  // [kChainMax] ids of the last loop, pinned
+  int32_t* d_chain_ids_ = nullptr;
+  struct Loop {
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+  };
+  Loop loops_[2][2];           // [sampled][short attention]
+  bool loops_broken_ = false;  // building a loop graph failed once (warned): single steps from then on
+  bool loops_apply(bool sampled) const;
+  cudaGraphExec_t loop_graph(bool sampled, bool short_attn);
+  // Runs k steps from (token, pos, seq) in one loop launch; ids gets the steps' ids, ending early at a
+  // negative one (a draw left to the host). rows: the k steps' draws, or null (greedy). Returns the ids got.
+  int run_loop(int32_t token, int32_t pos, int seq, int k, const RowSampling* rows, int32_t* ids);
+  // decode_greedy (rows null) and decode_sample through loops.
+  int decode_looped(int32_t token, int32_t pos, int seq, int n_steps, const RowSampling* rows,
+                    const std::function<bool(int32_t)>& on_token);
   ActBuf& act(ActKind kind, int64_t k);
   bool use_gemm(const Linear& l, int n) const;
   void prepare_inputs(const cuda::PrepArgs& p, const Linear& l, int n, bool gemm);

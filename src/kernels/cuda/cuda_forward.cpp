@@ -205,7 +205,6 @@ void CudaBackend::enqueue(int n, int n_out, Output out, const StepIo& io) {
   // The first layer's RMSNorm reads the embedding rows itself (PrepArgs::d_tokens) where its input goes through
   // prep_act (not with products that prepare their own input, MERLIN_CUDA_FUSE=1).
   const bool embed_in_prep = embed_fuse_ && !fuse_prep_ && !layers_.empty();
-  MERLIN_CHECK(!io.token_key || (embed_in_prep && n == 1), "internal: a chained step needs the fused embedding");
   if (!embed_in_prep)
     queue(kEmbed, [&] { return cuda::embed(e.type, embd_, e.row_bytes, c_.dim, tokens, n, x_, stream_), true; });
   const int hd = (int)c_.head_dim();
@@ -220,11 +219,11 @@ void CudaBackend::enqueue(int n, int n_out, Output out, const StepIo& io) {
     cuda::PrepArgs norm{cuda::Prep::RmsNorm, x_, c_.dim, L.attn_norm, c_.norm_eps, 0, nullptr};
     if (li == 0 && embed_in_prep) {
       norm.d_tokens = tokens;
-      norm.d_token_key = io.token_key;
       norm.embd = static_cast<const uint8_t*>(embd_);
       norm.embd_type = e.type;
       norm.embd_row_bytes = e.row_bytes;
       norm.d_embed_x = x_;
+      norm.embd_rows = e.rows;
     }
     const cuda::KvArgs kv{L.k, L.v, kv_elem_ == 2, block_size_, max_blocks_, table_, kv_q8_, L.ks, L.vs};
     stage_ = kQkv;
@@ -270,7 +269,7 @@ void CudaBackend::enqueue(int n, int n_out, Output out, const StepIo& io) {
       return;
     }
     run_linear(head_, fin, n_out, logits_, c_.vocab_size, c_.vocab_size, false, false, attn_folded ? &folded : nullptr);
-    MERLIN_CHECK(io.copy_out || out == Output::GreedyIds, "internal: only greedy ids stay on the device");
+    MERLIN_CHECK(io.copy_out || out != Output::Logits, "internal: logits rows always go to the host");
     if (out == Output::GreedyIds) {
       int32_t* ids = io.ids ? io.ids : d_ids_;
       queue(kArgmax, [&] { return cuda::argmax_rows(logits_, c_.vocab_size, n_out, c_.vocab_size, ids, stream_), true; });

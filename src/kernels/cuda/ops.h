@@ -96,9 +96,9 @@ struct PrepArgs {
   DType embd_type = DType::F32;
   size_t embd_row_bytes = 0;
   float* d_embed_x = nullptr;
-  // With d_tokens: the (one) token is instead argmax_key_row(*d_token_key), the argmax key a previous step's
-  // head product wrote (matvec1_argmax): chained greedy steps feed their own output without the host.
-  const unsigned long long* d_token_key = nullptr;
+  // With d_tokens: the table's rows. A token outside [0, embd_rows) reads row 0 instead of memory past the
+  // table (the host validates tokens; a device-fed token, chain_advance's, is never negative either).
+  int64_t embd_rows = 0;
 };
 void prep_act(const PrepArgs& p, int n, ActBuf& out, Stream stream);
 
@@ -299,6 +299,24 @@ void sample_rows(float* d_logits, int64_t ld, int n_rows, int64_t n, const RowSa
                  const LogitAdjust* d_adjust, int32_t* d_out, Stream stream, void* d_work = nullptr);
 void sample_rows_more(const float* d_logits, int64_t ld, int n_rows, int64_t n, const RowSampling* d_rows,
                       int32_t* d_out, Stream stream, void* d_work);
+
+// ---- decode loops ----
+// A run of one-token steps of one sequence replayed on the device without the host (CudaBackend's decode
+// loops): the step reads its token, position, sequence and logits row here, and chain_advance, queued after
+// it, takes its id, moves on to the next position and says whether to run the step again.
+constexpr int kChainMax = 64;  // most steps per loop
+struct ChainState {
+  int32_t token, pos, seq, row;  // the next step's input (row: its logits row, 0)
+  unsigned long long key;        // the step's fused argmax key (matvec1_argmax), zeroed for the next step
+  int32_t i, k;                  // steps done, steps to run (1 .. kChainMax)
+  int32_t fused, pad;            // fused: the id is argmax_key_row(key), else the step wrote it to token
+  RowSampling cur;               // the running step's draw (sampled loops: sample_rows reads it)
+  RowSampling rows[kChainMax];   // every step's draw
+};
+// Records the step's id in d_ids[i] and advances *d_state; sets the while node's condition `handle` (a
+// cudaGraphConditionalHandle) to run another step while i < k and the id is a token (a negative id, a draw
+// left to the host, ends the loop). Only inside a graph's conditional body.
+void chain_advance(ChainState* d_state, int32_t* d_ids, unsigned long long handle, Stream stream);
 
 void check_launch(const char* what);  // throws merlin::Error if the last launch failed
 
