@@ -30,6 +30,7 @@ namespace merlin::cuda {
 namespace {
 
 constexpr int kWarps = 8;
+constexpr int kRound = 4;  // chunks per round of a warp (see Round below); 2 for short rows (short_rounds_fmt)
 static_assert(kWarps * 32 == kPrepThreads, "a product CTA runs the fused preparation with prep_kernel's CTA size");
 
 // ---------------------------------------------------------------------------------------------------------
@@ -54,6 +55,7 @@ struct MmArgs {
   int fuse_prep;  // 1: the CTA computes its tokens' activations from prep (RMSNorm / SwiGLU / plain) itself
   PrepArgs prep;
   int split;  // warps sharing a tile's k (1, 2, 4 or 8): a CTA works on kWarps / split tiles at once
+  int round = kRound;  // chunks per round (mm_kernel's R)
   int rope_on;  // 1: y is the stacked QKV product, finished by rope_store (matmul_rope_kv)
   RopeKvArgs rope;
   const double* rms_part = nullptr;  // staged rows with a deferred RMSNorm (ActBuf::rms_part): [n][k / 32]
@@ -82,20 +84,24 @@ struct XView {
 // the current one computes), so every lane has 128 bytes of weights outstanding and the scales arrive with
 // the weights instead of costing a second memory round trip inside the compute loop.
 
-constexpr int kRound = 4;
 static_assert(kRound % 2 == 0, "half matrices load their chunks in (row g, row g + 8) pairs");
 
 // 32-bit scale words per round: one per k-step (Q8_0, Q4_0: half2 of rows g and g + 8), one per two k-steps
 // (MXFP4: rows g and g + 8's e8m0 bytes of each), one per super-block of 8 steps (TQ2_0), none (half formats;
 // Q4_K keeps 16-byte headers).
-__host__ __device__ constexpr int round_scales(int f) {
-  return f == kQ8_0 || f == kQ4_0 ? kRound * steps_per_chunk(f) : f == kMXFP4 ? kRound : f == kTQ2 ? kRound * 4 / 8 : 1;
+__host__ __device__ constexpr int round_scales(int f, int r = kRound) {
+  return f == kQ8_0 || f == kQ4_0 ? r * steps_per_chunk(f) : f == kMXFP4 ? r : f == kTQ2 ? r * 4 / 8 : 1;
 }
 
-template <int F>
+// Rounds of 2 chunks (R = 2) for rows too short to give every warp a round of 4 (base's k = 768 in Q4_0 is 12
+// chunks: 3 of 8 warps busy with rounds of 4, 6 with rounds of 2), for the int8 formats whose scales a half
+// round still loads whole (not Q4_K: its header is per 8 k-steps); 32-token CTAs only (round_for).
+__host__ __device__ constexpr bool short_rounds_fmt(int f) { return f == kQ8_0 || f == kQ4_0 || f == kMXFP4 || f == kTQ2; }
+
+template <int F, int R = kRound>
 struct Round {
-  uint4 w[kRound];
-  uint32_t s[round_scales(F)];
+  uint4 w[R];
+  uint32_t s[round_scales(F, R)];
   uint4 h[F == kQ4_K ? 2 : 1];  // Q4_K: the round's super-block header of rows g and g + 8
 };
 
@@ -103,14 +109,14 @@ struct Round {
 // super-block and a TQ2_0 round (16 k-steps) exactly two: scale indices inside a round are constants.
 // X (exact): every round that starts is whole (exact_rounds), so the chunks and scales need no predicates and
 // the chunks load from one address at immediate offsets.
-template <int F, bool X>
-__device__ __forceinline__ void load_round(const MmArgs& p, int64_t tile, int64_t c0, int lane, Round<F>& r) {
+template <int F, int R, bool X>
+__device__ __forceinline__ void load_round(const MmArgs& p, int64_t tile, int64_t c0, int lane, Round<F, R>& r) {
   const int g = lane >> 2;
   if constexpr (half_fmt(F)) {  // row-major (matrix_layout.cuh): chunk c is row g + 8 (c & 1), column 32 (c >> 1) + 8t
     const int64_t ld = p.n_steps * 16;
     const uint16_t* base = reinterpret_cast<const uint16_t*>(p.q) + (tile * 16 + g) * ld + 8 * (lane & 3);
 #pragma unroll
-    for (int u = 0; u < kRound; ++u) {
+    for (int u = 0; u < R; ++u) {
       const int64_t c = c0 + u;
       if (c < p.n_chunks)
         r.w[u] = load_stream(reinterpret_cast<const uint4*>(base + (c & 1) * 8 * ld + (c >> 1) * 32));
@@ -120,32 +126,41 @@ __device__ __forceinline__ void load_round(const MmArgs& p, int64_t tile, int64_
   if constexpr (X) {
     const uint4* qp = reinterpret_cast<const uint4*>(p.q) + (tile * p.n_chunks + c0) * 32 + lane;
 #pragma unroll
-    for (int u = 0; u < kRound; ++u) r.w[u] = load_stream(qp + u * 32);
+    for (int u = 0; u < R; ++u) r.w[u] = load_stream(qp + u * 32);
   } else {
     const uint4* qp = reinterpret_cast<const uint4*>(p.q) + tile * p.n_chunks * 32 + lane;
 #pragma unroll
-    for (int u = 0; u < kRound; ++u)
+    for (int u = 0; u < R; ++u)
       if (c0 + u < p.n_chunks) r.w[u] = load_stream(qp + (c0 + u) * 32);
   }
   const int64_t step0 = c0 * steps_per_chunk(F);
   if constexpr (F == kQ8_0) {
     const uint32_t* sp = reinterpret_cast<const uint32_t*>(p.s) + tile * p.n_steps * 8 + g;
 #pragma unroll
-    for (int j = 0; j < round_scales(F); ++j)
+    for (int j = 0; j < round_scales(F, R); ++j)
       if (X || step0 + j < p.n_steps) r.s[j] = __ldg(sp + (step0 + j) * 8);
   } else if constexpr (F == kQ4_0 || F == kMXFP4) {
-    // A round is 8 k-steps from a multiple of 8: one scale group (matrix_layout.cuh), 32 / 16 bytes per lane.
-    // A warp whose round lies past the end of k loads none (its group does not exist).
+    // A round is 8 k-steps from a multiple of 8: one scale group (matrix_layout.cuh), 32 / 16 bytes per lane;
+    // a half round (R = 2) the group's first or second half. A warp whose round lies past the end of k loads
+    // none (its group does not exist).
     const uint8_t* sb = p.s + grouped_scale_index(tile, p.n_steps, step0, g) * (F == kQ4_0 ? 2 : 1);
+    if constexpr (round_scales(F, R) % 4 == 0) {
 #pragma unroll
-    for (int j = 0; j < round_scales(F) / 4 && (X || step0 < p.n_steps); ++j) {
-      const uint4 v = __ldg(reinterpret_cast<const uint4*>(sb) + j);
-      r.s[4 * j] = v.x, r.s[4 * j + 1] = v.y, r.s[4 * j + 2] = v.z, r.s[4 * j + 3] = v.w;
+      for (int j = 0; j < round_scales(F, R) / 4 && (X || step0 < p.n_steps); ++j) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(sb) + j);
+        r.s[4 * j] = v.x, r.s[4 * j + 1] = v.y, r.s[4 * j + 2] = v.z, r.s[4 * j + 3] = v.w;
+      }
+    } else {
+      static_assert(round_scales(F, R) == 2, "MXFP4 half rounds: two scale words");
+      if (X || step0 < p.n_steps) {
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(sb));
+        r.s[0] = v.x, r.s[1] = v.y;
+      }
     }
   } else if constexpr (F == kTQ2) {
     const uint32_t* sp = reinterpret_cast<const uint32_t*>(p.s) + tile * p.n_super * 8 + g;
 #pragma unroll
-    for (int j = 0; j < round_scales(F); ++j)
+    for (int j = 0; j < round_scales(F, R); ++j)
       if (X || step0 / 8 + j < p.n_super) r.s[j] = __ldg(sp + (step0 / 8 + j) * 8);
   } else if constexpr (F == kQ4_K) {
     if (X || step0 / 8 < p.n_super) {
@@ -157,8 +172,8 @@ __device__ __forceinline__ void load_round(const MmArgs& p, int64_t tile, int64_
 }
 
 // Scale (and Q4_K min) of rows g and g + 8 for k-step i (0 .. kRound * steps_per_chunk - 1) of a round.
-template <int F>
-__device__ __forceinline__ void step_scales(const Round<F>& r, int i, float2& ws, float2& wm) {
+template <int F, int R>
+__device__ __forceinline__ void step_scales(const Round<F, R>& r, int i, float2& ws, float2& wm) {
   if constexpr (F == kQ4_K) {
     const float2 r0 = q4k_scale_min(r.h[0], i), r1 = q4k_scale_min(r.h[1], i);
     ws = make_float2(r0.x, r1.x);
@@ -230,14 +245,14 @@ __device__ __forceinline__ void half_step(const MmArgs& p, const XView& x, const
   }
 }
 
-template <int F, int NT, bool X>
-__device__ __forceinline__ void compute_round(const MmArgs& p, const XView& x, const Round<F>& r, int64_t c0, int tb,
+template <int F, int R, int NT, bool X>
+__device__ __forceinline__ void compute_round(const MmArgs& p, const XView& x, const Round<F, R>& r, int64_t c0, int tb,
                                               int g, int t, float (&acc)[NT][4]) {
 #pragma unroll
-  for (int u = 0; u < kRound; ++u) {
+  for (int u = 0; u < R; ++u) {
     if (!X && c0 + u >= p.n_chunks) break;
     if constexpr (half_fmt(F)) {
-      // Chunks come in (row g, row g + 8) pairs: kRound and every round's first chunk are even, and so is
+      // Chunks come in (row g, row g + 8) pairs: R and every round's first chunk are even, and so is
       // n_chunks (rows padded to 32 columns).
       if (u & 1) continue;
       const uint4 lo = r.w[u], hi = r.w[u + 1];
@@ -466,11 +481,11 @@ struct Items {  // 32-bit and division-free: the 32-token kernel is short of reg
   __device__ Items(const MmArgs& p, int warp) {
     groups = kWarps / p.split;
     group = warp / p.split;
-    stride = p.split * kRound;
+    stride = p.split * p.round;
     rounds = ((int)p.n_chunks + stride - 1) / stride;
     const int sets = ((int)p.tiles + groups - 1) / groups, bx = (int)blockIdx.x, nb = (int)gridDim.x;
     n = rounds * (bx < sets ? (sets - bx + nb - 1) / nb : 0);
-    c_first = (warp % p.split) * kRound;
+    c_first = (warp % p.split) * p.round;
   }
 };
 
@@ -487,15 +502,15 @@ struct Cursor {
 // Item i at cursor c: requests item i + 1 into `next`, computes `cur`, reduces the tiles after their last
 // round, and moves c on.
 // With X a round past the end of k (a warp whose share of a short row ends early) is skipped whole.
-template <int F, int NT, bool X>
+template <int F, int R, int NT, bool X>
 __device__ __forceinline__ void run_item(const MmArgs& p, const XView& x, const Items& it, int i, Cursor& c,
-                                         const Round<F>& cur, Round<F>& next, int tb, int warp, int lane,
+                                         const Round<F, R>& cur, Round<F, R>& next, int tb, int warp, int lane,
                                          float (&acc)[NT][4], float (*red)[NT * 4][32]) {
   const Cursor nx = c.next(it);
   if (i + 1 < it.n && nx.tile(it) < p.tiles && (!X || nx.chunk(it) < p.n_chunks))
-    load_round<F, X>(p, nx.tile(it), nx.chunk(it), lane, next);
+    load_round<F, R, X>(p, nx.tile(it), nx.chunk(it), lane, next);
   if (c.tile(it) < p.tiles && (!X || c.chunk(it) < p.n_chunks))
-    compute_round<F, NT, X>(p, x, cur, c.chunk(it), tb, lane >> 2, lane & 3, acc);
+    compute_round<F, R, NT, X>(p, x, cur, c.chunk(it), tb, lane >> 2, lane & 3, acc);
   if (c.r == it.rounds - 1) {
     reduce_tiles<NT>(p, (int64_t)c.set * it.groups, tb, warp, lane, acc, red);
 #pragma unroll
@@ -514,18 +529,18 @@ __device__ __forceinline__ void run_item(const MmArgs& p, const XView& x, const 
 // MinBlocks = 2 caps the kernel at 128 registers so two CTAs share an SM. The 32-token kernel (NT = 4)
 // needs 136-182 registers uncapped and is built both ways: capped by default (batch-32 decode on the H200:
 // base f16 24.4k -> 37.0k t/s, q4_0 37.0k -> 42.0k, macbook q4_0 2.89k -> 3.29k; docs/GPU.md), uncapped
-// with MERLIN_CUDA_NT4_CAP=0 for A/B timing.
-template <int F, int NT, int MinBlocks = NT == 4 ? 1 : 2, bool X = false>
+// with MERLIN_CUDA_NT4_CAP=0 for A/B timing. R: chunks per round (p.round), 4 or 2 (short_rounds_fmt).
+template <int F, int NT, int MinBlocks = NT == 4 ? 1 : 2, bool X = false, int R = kRound>
 __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float red[kWarps][NT * 4][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int tb = blockIdx.y * 8 * NT;
   const Items it(p, warp);
-  Round<F> ra{}, rb{};
+  Round<F, R> ra{}, rb{};
   Cursor c{(int)blockIdx.x, 0};
   if (it.n > 0 && c.tile(it) < p.tiles && (!X || c.chunk(it) < p.n_chunks))
-    load_round<F, X>(p, c.tile(it), c.chunk(it), lane, ra);
+    load_round<F, R, X>(p, c.tile(it), c.chunk(it), lane, ra);
   pdl_trigger();
   pdl_wait();
   XView x{p.xfq, p.xfs, p.xfsum, p.xfhi, p.xflo, 0};
@@ -535,8 +550,8 @@ __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
   for (int i = 0; i < it.n; i += 2) {
-    run_item<F, NT, X>(p, x, it, i, c, ra, rb, tb, warp, lane, acc, red);
-    if (i + 1 < it.n) run_item<F, NT, X>(p, x, it, i + 1, c, rb, ra, tb, warp, lane, acc, red);
+    run_item<F, R, NT, X>(p, x, it, i, c, ra, rb, tb, warp, lane, acc, red);
+    if (i + 1 < it.n) run_item<F, R, NT, X>(p, x, it, i + 1, c, rb, ra, tb, warp, lane, acc, red);
   }
 }
 
@@ -565,12 +580,23 @@ __global__ void mm_f32_kernel(MmArgs p) {
 constexpr size_t kStageMax[3] = {64 << 10, 64 << 10, 160 << 10};
 int g_sm_count = 0;
 // Resident CTAs per SM of mm_kernel<F, NT> without / with staged activations (sizes the persistent grid);
-// index 3 is the register-capped 32-token variant; the last index is the exact-rounds (X) kernel.
-int g_resident[8][4][2][2] = {};  // [F][nt index, 3 = capped 32-token][staged][exact]
+// index 3 is the register-capped 32-token variant; then the exact-rounds (X) kernel and rounds of 2 chunks.
+int g_resident[8][4][2][2][2] = {};  // [F][nt index, 3 = capped 32-token][staged][exact][R == 2]
 
 bool nt4_capped() {
   static const bool on = !env_is("MERLIN_CUDA_NT4_CAP", "0");
   return on;
+}
+
+// Chunks per round of an NT-group product: 2 for 32-token CTAs (NT = 4) where rounds of 4 leave warps of a
+// tile idle (short_rounds_fmt). Measured on the H200 (base, tg128 x32 / x16 / x8, rounds of 2 for every NT
+// against 4): q4_0 +8 % / -1 % / -9 %, q8_0 +2 % / -6 % / -13 %, mxfp4 +13 % / +1 % / -7 %: the 4 token groups
+// of a round give a warp enough work to hide its loads, one group does not. So a short row's 17..32-token
+// sums run in another order than its 2..16-token ones (float rounding apart; docs/GPU.md). Built capped
+// only (MERLIN_CUDA_NT4_CAP=0 keeps 4). MERLIN_CUDA_MM_ROUND=4 keeps 4 everywhere (A/B timing).
+int round_for(int f, int nt, int64_t n_chunks) {
+  static const bool on = !env_is("MERLIN_CUDA_MM_ROUND", "4");
+  return on && nt == 4 && nt4_capped() && short_rounds_fmt(f) && n_chunks < (int64_t)kWarps * kRound ? 2 : kRound;
 }
 
 constexpr int nt_index(int nt) { return nt == 1 ? 0 : nt == 2 ? 1 : 2; }
@@ -581,22 +607,24 @@ constexpr int nt_index(int nt) { return nt == 1 ? 0 : nt == 2 ? 1 : 2; }
 // SMs idle (base q4_0 tg128 x32 45.8k t/s against 47.9k with every matrix grouped). Any split whose rounds
 // cover k in one pass sums in the same order as split = 8, so results do not depend on it.
 // MERLIN_CUDA_MM_SPLIT=0 keeps 8 for A/B timing.
-int warps_per_tile(int64_t n_chunks, int64_t tiles, int64_t resident) {
+int warps_per_tile(int64_t n_chunks, int64_t tiles, int64_t resident, int round) {
   static const bool on = !env_is("MERLIN_CUDA_MM_SPLIT", "0");
   int s_min = 1;
-  while (s_min < kWarps && (int64_t)s_min * kRound < n_chunks) s_min *= 2;
+  while (s_min < kWarps && (int64_t)s_min * round < n_chunks) s_min *= 2;
   int groups = 1;
   while (on && groups * 2 <= kWarps / s_min && tiles / (groups * 2) >= resident) groups *= 2;
   return kWarps / groups;
 }
 
 // Whether the X kernels of the int8 formats apply: every round that starts is whole (whole_rounds). The
-// 32-token X kernels spill at their register cap (ptxas -v) except Q4_K's, which spills less than its checked
-// kernel, so other 32-token steps keep the checked one. MERLIN_CUDA_MM_EXACT=0 keeps the checked kernels
-// everywhere (A/B timing; same results).
+// 32-token X kernels with rounds of 4 spill at their register cap (ptxas -v) except Q4_K's, which spills less
+// than its checked kernel, so other 32-token steps with rounds of 4 keep the checked one (rounds of 2 fit).
+// MERLIN_CUDA_MM_EXACT=0 keeps the checked kernels everywhere (A/B timing; same results).
+template <int NT, int R>
+constexpr bool x_built(int f) { return !half_fmt(f) && (NT < 4 || f == kQ4_K || R == 2); }
 bool exact_rounds(int f, int nt, const MmArgs& p) {
   static const bool on = !env_is("MERLIN_CUDA_MM_EXACT", "0");
-  return on && (nt < 4 || f == kQ4_K) && whole_rounds(f, p.n_chunks, p.n_steps, kRound);
+  return on && (nt < 4 || f == kQ4_K || p.round == 2) && whole_rounds(f, p.n_chunks, p.n_steps, p.round);
 }
 
 // Most shared memory a CTA of the NT kernel may stage its activations in.
@@ -611,20 +639,31 @@ void launch_nt(MmArgs p, Stream stream, int64_t tiles) {
   p.stage_x = staged <= stage_limit(NT) ? 1 : 0;
   MERLIN_CHECK(p.stage_x || !p.fuse_prep, "matmul: a fused preparation needs the activations in shared memory");
   MERLIN_CHECK(p.stage_x || !p.rms_part, "matmul: a deferred RMSNorm needs the activations in shared memory");
+  p.round = round_for(F, NT, p.n_chunks);
   const bool x = exact_rounds(F, NT, p);
-  const int64_t resident = (int64_t)g_sm_count * std::max(1, g_resident[F][capped ? 3 : ni][p.stage_x][x]);
-  p.split = warps_per_tile(p.n_chunks, tiles, resident);
+  const int64_t resident =
+      (int64_t)g_sm_count * std::max(1, g_resident[F][capped ? 3 : ni][p.stage_x][x][p.round == 2]);
+  p.split = warps_per_tile(p.n_chunks, tiles, resident, p.round);
   if (p.norm_on) p.split = std::min(p.split, 4);  // a tile set of >= 2 tiles holds whole blocks of 32 rows
   const int64_t sets = (tiles + kWarps / p.split - 1) / (kWarps / p.split);
   const dim3 grid((unsigned)std::min(sets, resident), (unsigned)((p.n + 8 * NT - 1) / (8 * NT)));
-  constexpr bool kX = !half_fmt(F) && (NT < 4 || F == kQ4_K);  // X kernels built (exact_rounds)
-  void (*kernel)(MmArgs) = mm_kernel<F, NT>;
-  if constexpr (kX)
-    if (x) kernel = mm_kernel<F, NT, NT == 4 ? 1 : 2, true>;
-  if constexpr (NT == 4) {
-    if (capped) kernel = mm_kernel<F, 4, 2>;
+  void (*kernel)(MmArgs) = nullptr;
+  if constexpr (short_rounds_fmt(F) && NT == 4) {
+    if (p.round == 2) {  // round_for: the capped 32-token kernel
+      kernel = mm_kernel<F, 4, 2, false, 2>;
+      if (x) kernel = mm_kernel<F, 4, 2, true, 2>;
+    }
+  }
+  if (!kernel) {
+    constexpr bool kX = x_built<NT, kRound>(F);  // X kernels built (exact_rounds)
+    kernel = mm_kernel<F, NT>;
     if constexpr (kX)
-      if (capped && x) kernel = mm_kernel<F, 4, 2, true>;
+      if (x) kernel = mm_kernel<F, NT, NT == 4 ? 1 : 2, true>;
+    if constexpr (NT == 4) {
+      if (capped) kernel = mm_kernel<F, 4, 2>;
+      if constexpr (kX)
+        if (capped && x) kernel = mm_kernel<F, 4, 2, true>;
+    }
   }
   launch_pdl(kernel, grid, kWarps * 32, p.stage_x ? staged : 0, stream, p);
 }
@@ -656,12 +695,12 @@ void launch_fmt(const MmArgs& p, Stream stream, int64_t tiles) {
 }
 
 // Shared-memory limit and resident CTAs per SM of one kernel variant (index: nt index, or 3 = capped).
-template <int F, int NT, int MinBlocks, bool X>
+template <int F, int NT, int MinBlocks, bool X, int R = kRound>
 void prepare_variant(int index, size_t stage_max) {
-  const auto kernel = mm_kernel<F, NT, MinBlocks, X>;
+  const auto kernel = mm_kernel<F, NT, MinBlocks, X, R>;
   MERLIN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)stage_max));
   for (int staged = 0; staged < 2; ++staged)
-    MERLIN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&g_resident[F][index][staged][X], kernel,
+    MERLIN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&g_resident[F][index][staged][X][R == 2], kernel,
                                                                      kWarps * 32, staged ? stage_max : 0));
 }
 
@@ -669,8 +708,7 @@ template <int F, int NT>
 void prepare_kernel() {
   constexpr int ni = nt_index(NT);
   prepare_variant<F, NT, NT == 4 ? 1 : 2, false>(ni, kStageMax[ni]);
-  if constexpr (!half_fmt(F) && (NT < 4 || F == kQ4_K))
-    prepare_variant<F, NT, NT == 4 ? 1 : 2, true>(ni, kStageMax[ni]);
+  if constexpr (x_built<NT, kRound>(F)) prepare_variant<F, NT, NT == 4 ? 1 : 2, true>(ni, kStageMax[ni]);
 }
 
 template <int F>
@@ -681,6 +719,10 @@ void allow_staging() {
   // The capped 32-token variant: two CTAs per SM, so 64 KiB of staged activations each at most.
   prepare_variant<F, 4, 2, false>(3, kStageMax[0]);
   if constexpr (F == kQ4_K) prepare_variant<F, 4, 2, true>(3, kStageMax[0]);
+  if constexpr (short_rounds_fmt(F)) {
+    prepare_variant<F, 4, 2, false, 2>(3, kStageMax[0]);
+    if constexpr (x_built<4, 2>(F)) prepare_variant<F, 4, 2, true, 2>(3, kStageMax[0]);
+  }
 }
 
 }  // namespace
@@ -712,7 +754,7 @@ MmArgs product_args(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t
   const Geometry geo = geometry(w.fmt, w.rows, w.k);
   MmArgs p{w.q, w.s, w.k, geo.n_steps, geo.n_chunks, geo.n_super, x.fq, x.fs, x.fsum, x.fhi, x.flo, x.f,
            n, d_y, ldy, std::min(n_out_rows, w.rows), w.rows, accumulate ? 1 : 0, geo.tiles, 0, 0, PrepArgs{}, 8,
-           0, RopeKvArgs{}};
+           kRound, 0, RopeKvArgs{}};
   p.rms_part = x.rms_part;
   p.rms_eps = x.rms_eps;
   return p;
