@@ -443,7 +443,7 @@ TEST(CudaBackend, DecodeGreedyLoopsMatchSingleSteps) {
     const int64_t vocab = m->config().vocab_size;
     std::vector<int32_t> prompt(230);
     for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = (int32_t)((i * 7919 + 13) % (size_t)vocab);
-    const int start = (int)prompt.size(), n = 75;  // loops of 16, 10 (to position 256), 16, 16, 16 and 1
+    const int start = (int)prompt.size(), n = 75;  // loops of 16, 10 (to position 256), 16, 16, 16, one step
 
     ::setenv("MERLIN_CUDA_CHAIN", "0", 1);
     auto single = make_backend("cuda", *m, opts_with());

@@ -7,11 +7,34 @@
 // they write the rows and the fragment-ordered copy the batched products read.
 #include "kernels/cuda/act_impl.cuh"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/matvec1.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/raw_formats.cuh"
 
 namespace merlin::cuda {
 namespace {
+
+// A decode loop's step (PrepArgs::chain): the step's token, the previous step's id, which every CTA reads
+// alike; one thread of the first CTA does the bookkeeping, touching nothing another CTA or a later kernel of
+// this step reads (ChainState: the next step's position and key slot).
+__device__ int32_t chain_step_token(const PrepArgs& p) {
+  ChainState* st = p.chain;
+  const int32_t prev = st->fused ? argmax_key_row(st->key[p.chain_slot ^ 1]) : st->token;
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+    const int i = st->i;
+    if (i > 0) {
+      st->ids[i - 1] = prev;
+      if (prev < 0) st->stopped = 1;
+    }
+    st->pos[p.chain_slot ^ 1] = st->pos[p.chain_slot] + 1;
+    st->key[p.chain_slot] = 0ull;
+    st->cur = st->rows[i];
+    st->i = i + 1;
+    cudaGraphSetConditional(static_cast<cudaGraphConditionalHandle>(p.chain_handle),
+                            i + 1 < st->k && !st->stopped ? 1u : 0u);
+  }
+  return prev;
+}
 
 template <int Kind, int Mode>
 __global__ void __launch_bounds__(kPrepThreads) prep_kernel(PrepArgs p, ActBuf o) {
@@ -27,7 +50,7 @@ __global__ void __launch_bounds__(kPrepThreads) prep_kernel(PrepArgs p, ActBuf o
   pdl_wait();
   if constexpr (Mode == (int)Prep::RmsNorm) {
     if (p.d_tokens) {  // the first layer: x is the token's embedding row, written here too (embed_kernel's values)
-      int32_t token = p.d_tokens[t];
+      int32_t token = p.chain ? chain_step_token(p) : p.d_tokens[t];
       if (token < 0 || token >= p.embd_rows) token = 0;
       const uint8_t* row = p.embd + (size_t)token * p.embd_row_bytes;
       double ss = 0.0;  // row_scale's sum, over the same values in the same order
@@ -123,6 +146,7 @@ void prep_act(const PrepArgs& p, int n, ActBuf& out, Stream s) {
                                p.embd_rows > 0),
                "prep_act: embedding rows need an RmsNorm of rows t, the table and the residual rows");
   MERLIN_CHECK(n <= out.n_cap, "prep_act: ", n, " rows exceed the buffer's ", out.n_cap);
+  MERLIN_CHECK(!p.chain || (p.d_tokens && n == 1), "prep_act: a decode loop's step is one embedding row");
   switch (out.kind) {
     case ActKind::F32: launch_prep<0>(p, n, out, s); break;
     case ActKind::Q8_0: launch_prep<1>(p, n, out, s); break;

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -62,6 +63,10 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   split_attention_ = !env_is("MERLIN_CUDA_SPLITK", "0");
   twice_ = parse_stages(std::getenv("MERLIN_CUDA_TWICE"));
   if (const char* v = std::getenv("MERLIN_CUDA_CHAIN")) chain_max_ = std::clamp(std::atoi(v), 0, cuda::kChainMax);
+  if (const char* v = std::getenv("MERLIN_CUDA_LOOP_UNROLL")) {
+    loop_unroll_ = std::atoi(v);
+    MERLIN_CHECK(loop_unroll_ == 2 || loop_unroll_ == 4, "MERLIN_CUDA_LOOP_UNROLL: 2 or 4");
+  }
   if (env_is("MERLIN_CUDA_STEP_TIMING", "1")) {
     MERLIN_CUDA_CHECK(cudaEventCreate(&timing_.start));
     MERLIN_CUDA_CHECK(cudaEventCreate(&timing_.end));
@@ -145,8 +150,6 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
     MERLIN_CUDA_CHECK(cudaMallocHost(&h_chain_, sizeof(cuda::ChainState)));
     std::memset(static_cast<void*>(h_chain_), 0, sizeof(cuda::ChainState));
     d_chain_ = static_cast<cuda::ChainState*>(cuda::dev_alloc(sizeof(cuda::ChainState)));
-    MERLIN_CUDA_CHECK(cudaMallocHost(&h_chain_ids_, cuda::kChainMax * sizeof(int32_t)));
-    d_chain_ids_ = dev_array<int32_t>(cuda::kChainMax);
   }
   d_ids_ = dev_array<int32_t>(B);
   x_ = dev_array<float>(B * c_.dim);
@@ -211,8 +214,6 @@ CudaBackend::~CudaBackend() {
   cudaFreeHost(h_in_);
   cudaFreeHost(h_chain_);
   cuda::dev_free(d_chain_);
-  cudaFreeHost(h_chain_ids_);
-  cuda::dev_free(d_chain_ids_);
   cudaFreeHost(h_logits_);
   cudaFreeHost(h_ids_);
   cudaFreeHost(h_rows_);
@@ -411,8 +412,11 @@ void CudaBackend::add_timing(int steps, std::chrono::steady_clock::time_point wa
 }
 
 bool CudaBackend::loops_apply(bool sampled) const {
-  // Sampled steps need the device's draw (its slices) and no adjustments.
-  return chain_max_ > 1 && graphs_ && !twice_ && !loops_broken_ && (!sampled || d_sample_work_);
+  // The loop's bookkeeping runs in the first layer's preparation, which must read the embedding row itself;
+  // sampled steps need the device's draw (its slices).
+  const bool embed_in_prep = embed_fuse_ && !fuse_prep_ && !layers_.empty();
+  return chain_max_ >= loop_unroll_ && graphs_ && !twice_ && !loops_broken_ && embed_in_prep &&
+         (!sampled || d_sample_work_);
 }
 
 int CudaBackend::decode_greedy(int32_t token, int32_t pos, int seq, int n_steps, int64_t n_vocab,
@@ -442,13 +446,14 @@ int CudaBackend::decode_looped(int32_t token, int32_t pos, int seq, int n_steps,
     const int p0 = pos + done;
     int k = std::min(chain_max_, n_steps - done);
     if (short_at(p0) && !short_at(p0 + k - 1)) k = attn_scratch_.chunk - p0;
-    const int got = loops_broken_ ? 0 : run_loop(token, p0, seq, k, rows ? rows + done : nullptr, ids.data());
+    k -= k % loop_unroll_;  // whole iterations; the rest one step at a time
+    const int got = loops_broken_ || k == 0 ? 0 : run_loop(token, p0, seq, k, rows ? rows + done : nullptr, ids.data());
     for (int i = 0; i < got; ++i) {
       ++done;
       if (!on_token(ids[(size_t)i])) return done;
       token = ids[(size_t)i];
     }
-    if (got == k) continue;
+    if (k > 0 && got == k) continue;
     // A draw the device left to the host (its input was valid, so its K/V row is right: run it again through
     // forward_sample), or no loop at all: one plain step.
     Batch b;
@@ -461,8 +466,8 @@ int CudaBackend::decode_looped(int32_t token, int32_t pos, int seq, int n_steps,
   return done;
 }
 
-// The loop graph: [state in] -> while (condition) { one step; chain_advance } -> [ids out]. Built from the
-// graph API around one captured step, since stream capture cannot make the while node itself. Null (and
+// The loop graph: [state in] -> while (condition) { loop_unroll_ steps } -> [state out]. Built from the
+// graph API around the captured body, since stream capture cannot make the while node itself. Null (and
 // loops_broken_, with a warning) where the driver refuses it.
 cudaGraphExec_t CudaBackend::loop_graph(bool sampled, bool short_attn) {
   Loop& l = loops_[sampled][short_attn];
@@ -486,28 +491,30 @@ cudaGraphExec_t CudaBackend::loop_graph(bool sampled, bool short_attn) {
     body = cp.conditional.phGraph_out[0];
     MERLIN_CUDA_CHECK(cudaStreamBeginCaptureToGraph(stream_, body, nullptr, nullptr, 0, cudaStreamCaptureModeThreadLocal));
     capturing = true;
-    {
+    for (int u = 0; u < loop_unroll_; ++u) {  // k is a multiple of loop_unroll_ (decode_looped)
       const cuda::PdlScope pdl;
       StepIo io;
       io.tokens = &d_chain_->token;
-      io.pos = &d_chain_->pos;
+      io.pos = &d_chain_->pos[u & 1];
       io.seq = &d_chain_->seq;
       io.rows = &d_chain_->row;
-      io.key = &d_chain_->key;
-      io.ids = &d_chain_->token;  // argmax_rows' id is the next step's token
+      io.key = &d_chain_->key[u & 1];  // step i's key slot is i & 1 (loop_unroll_ is even)
+      io.ids = &d_chain_->token;       // argmax_rows' id is the next step's token
       io.copy_out = false;
+      io.chain = d_chain_;
+      io.chain_handle = (unsigned long long)handle;
+      io.chain_slot = u & 1;
       flash_now_ = false;
       attn_short_now_ = short_attn;
       enqueue(1, 1, sampled ? Output::DeviceLogits : Output::GreedyIds, io);
       if (sampled)
         cuda::sample_rows(logits_, c_.vocab_size, 1, c_.vocab_size, &d_chain_->cur, d_adjust_, &d_chain_->token,
                           stream_, d_sample_work_);
-      cuda::chain_advance(d_chain_, d_chain_ids_, handle, stream_);
     }
     capturing = false;
     MERLIN_CUDA_CHECK(cudaStreamEndCapture(stream_, &body));
-    MERLIN_CUDA_CHECK(cudaGraphAddMemcpyNode1D(&out, g, &loop, 1, h_chain_ids_, d_chain_ids_,
-                                               cuda::kChainMax * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    MERLIN_CUDA_CHECK(cudaGraphAddMemcpyNode1D(&out, g, &loop, 1, h_chain_, d_chain_,
+                                               offsetof(cuda::ChainState, cur), cudaMemcpyDeviceToHost));
     MERLIN_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
   } catch (const Error& e) {
     if (capturing) cudaStreamEndCapture(stream_, &body);
@@ -534,22 +541,25 @@ int CudaBackend::run_loop(int32_t token, int32_t pos, int seq, int k, const RowS
   if (!exec) return 0;
   cuda::ChainState& st = *h_chain_;
   st.token = token;
-  st.pos = pos;
+  st.pos[0] = pos;
   st.seq = seq;
   st.row = 0;
-  st.key = 0;
+  st.fused = !rows && head_argmax_;
+  st.key[0] = 0;
+  st.key[1] = cuda::chain_token_key(token);  // what step 0 reads as "the previous step's" key
   st.i = 0;
   st.k = k;
-  st.fused = !rows && head_argmax_;
-  if (rows) {
-    std::copy(rows, rows + k, st.rows);
-    st.cur = rows[0];
-  }
+  st.stopped = 0;
+  if (rows) std::copy(rows, rows + k, st.rows);
   const auto wall0 = std::chrono::steady_clock::now();
   launch_graph(exec);
   MERLIN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  // Step j's id: recorded by step j + 1; the last one is still in its key slot (k is even: key[1]) or token.
+  const auto id_of = [&](int j) {
+    return j + 1 < k ? st.ids[j] : st.fused ? cuda::argmax_key_row(st.key[1]) : st.token;
+  };
   int got = 0;
-  while (got < k && h_chain_ids_[got] >= 0) ids[got] = h_chain_ids_[got], ++got;
+  while (got < k && id_of(got) >= 0) ids[got] = id_of(got), ++got;
   if (!first) add_timing(got + (got < k), wall0);
   return got;
 }

@@ -128,6 +128,9 @@ class CudaBackend final : public Backend {
     unsigned long long* key = nullptr;  // the fused argmax's key, zero before the step
     int32_t* ids = nullptr;             // argmax_rows' output (null: d_ids_)
     bool copy_out = true;               // queue the result's copy to pinned host memory
+    cuda::ChainState* chain = nullptr;  // a decode loop's step (PrepArgs::chain): handle, key slot
+    unsigned long long chain_handle = 0;
+    int chain_slot = 0;
   };
   StepIo step_io() const;  // run_step's: d_in_, filled from h_in_
   void enqueue(int n, int n_out, Output out, const StepIo& io);
@@ -139,21 +142,21 @@ class CudaBackend final : public Backend {
   cudaGraphExec_t graph_for(const std::tuple<int, int, int>& shape, const std::function<void()>& queue_step,
                             bool& captured);
   // Decode loops (decode_greedy, decode_sample): one graph per kind (greedy or sampled) and attention launch
-  // (attn_short_now_) holds a while node whose body is one one-token step reading its input from the
-  // ChainState (ops.h) and chain_advance, which records the id and moves the state on; a launch runs k steps
-  // (1 .. chain_max_, set in the state the graph's first node copies in) and copies the ids back. So a loop
-  // costs one step's capture, whatever its length, where a graph of k unrolled steps cost milliseconds per
-  // length (docs/GPU.md). MERLIN_CUDA_CHAIN=N: at most N steps per launch (0 or 1: one step per launch).
+  // (attn_short_now_) holds a while node whose body is loop_unroll_ one-token steps; each reads its input
+  // from the ChainState (ops.h), whose bookkeeping the first layer's preparation does (PrepArgs::chain). A
+  // launch runs k steps (an even number up to chain_max_, set in the state the graph's first node copies
+  // in) and copies the ids back. So a loop costs one body's capture, whatever its length, where a graph of k
+  // unrolled steps cost milliseconds per length (docs/GPU.md). MERLIN_CUDA_CHAIN=N: at most N steps per
+  // launch (0 or 1: one step per launch); MERLIN_CUDA_LOOP_UNROLL=2 or 4: steps per iteration.
   int chain_max_ = 16;
   cuda::ChainState* h_chain_ = nullptr;  // pinned
   cuda::ChainState* d_chain_ = nullptr;
-  int32_t* h_chain_ids_ = nullptr;  // [kChainMax] ids of the last loop, pinned
-  int32_t* d_chain_ids_ = nullptr;
   struct Loop {
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
   };
   Loop loops_[2][2];           // [sampled][short attention]
+  int loop_unroll_ = 2;
   bool loops_broken_ = false;  // building a loop graph failed once (warned): single steps from then on
   bool loops_apply(bool sampled) const;
   cudaGraphExec_t loop_graph(bool sampled, bool short_attn);

@@ -23,6 +23,7 @@ struct CUstream_st;
 namespace merlin::cuda {
 
 using Stream = CUstream_st*;
+struct ChainState;  // decode loops, below
 
 // ---- device memory ----
 void* dev_alloc(size_t bytes);  // zero-filled; throws merlin::Error when out of memory
@@ -97,8 +98,13 @@ struct PrepArgs {
   size_t embd_row_bytes = 0;
   float* d_embed_x = nullptr;
   // With d_tokens: the table's rows. A token outside [0, embd_rows) reads row 0 instead of memory past the
-  // table (the host validates tokens; a device-fed token, chain_advance's, is never negative either).
+  // table (the host validates tokens; a decode loop's step after a negative id runs on it, and is dropped).
   int64_t embd_rows = 0;
+  // With d_tokens (one row): a decode loop's step (ChainState), whose head writes key[chain_slot]; the token
+  // comes from the state instead of d_tokens. chain_handle: the while node's cudaGraphConditionalHandle.
+  ChainState* chain = nullptr;
+  unsigned long long chain_handle = 0;
+  int chain_slot = 0;
 };
 void prep_act(const PrepArgs& p, int n, ActBuf& out, Stream stream);
 
@@ -302,21 +308,29 @@ void sample_rows_more(const float* d_logits, int64_t ld, int n_rows, int64_t n, 
 
 // ---- decode loops ----
 // A run of one-token steps of one sequence replayed on the device without the host (CudaBackend's decode
-// loops): the step reads its token, position, sequence and logits row here, and chain_advance, queued after
-// it, takes its id, moves on to the next position and says whether to run the step again.
-constexpr int kChainMax = 64;  // most steps per loop
+// loops, a graph while node over an even number of steps): every step reads its token, position, sequence
+// and logits row here. The first layer's preparation (PrepArgs::chain) takes the step's token from the
+// previous step's result (its fused argmax key, or the token slot argmax_rows / sample_rows wrote) and, in
+// one thread, records that id, moves to the next position and sets the loop's condition. Step i's fused
+// argmax goes to key[i & 1], so the preparation of step i + 1 reads key[i & 1] in all its CTAs while one of
+// them zeroes key[(i + 1) & 1] for its own head; positions alternate the same way.
+constexpr int kChainMax = 64;  // most steps per loop launch
 struct ChainState {
-  int32_t token, pos, seq, row;  // the next step's input (row: its logits row, 0)
-  unsigned long long key;        // the step's fused argmax key (matvec1_argmax), zeroed for the next step
-  int32_t i, k;                  // steps done, steps to run (1 .. kChainMax)
-  int32_t fused, pad;            // fused: the id is argmax_key_row(key), else the step wrote it to token
+  int32_t token, seq, row;       // the step's input (token: the host's first, or argmax_rows' / sample_rows' id)
+  int32_t pos[2];                // step i's position is pos[i & 1]: kernels read it before their pdl_wait, so
+                                 // step i's preparation writes step i + 1's, never the one its step reads
+  unsigned long long key[2];     // fused argmax keys by step parity; the host puts its first token in key[1]
+  int32_t i, k;                  // steps begun, steps to run (even, 2 .. kChainMax)
+  int32_t fused;                 // ids come from key[], else from token
+  int32_t stopped;               // a step's id was negative (a draw left to the host): no further iteration
+  int32_t ids[kChainMax];        // ids[i] of step i, written by step i + 1 (the last one stays in key / token)
   RowSampling cur;               // the running step's draw (sampled loops: sample_rows reads it)
   RowSampling rows[kChainMax];   // every step's draw
 };
-// Records the step's id in d_ids[i] and advances *d_state; sets the while node's condition `handle` (a
-// cudaGraphConditionalHandle) to run another step while i < k and the id is a token (a negative id, a draw
-// left to the host, ends the loop). Only inside a graph's conditional body.
-void chain_advance(ChainState* d_state, int32_t* d_ids, unsigned long long handle, Stream stream);
+// The key whose argmax_key_row is `token` (a loop's first token, seeded into key[1]).
+inline unsigned long long chain_token_key(int32_t token) {
+  return (1ull << 32) | (0xFFFFFFFFu - (uint32_t)token);
+}
 
 void check_launch(const char* what);  // throws merlin::Error if the last launch failed
 
