@@ -65,7 +65,8 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   if (const char* v = std::getenv("MERLIN_CUDA_CHAIN")) chain_max_ = std::clamp(std::atoi(v), 0, cuda::kChainMax);
   if (const char* v = std::getenv("MERLIN_CUDA_LOOP_UNROLL")) {
     loop_unroll_ = std::atoi(v);
-    MERLIN_CHECK(loop_unroll_ == 2 || loop_unroll_ == 4, "MERLIN_CUDA_LOOP_UNROLL: 2 or 4");
+    MERLIN_CHECK(loop_unroll_ == 2 || loop_unroll_ == 4 || loop_unroll_ == 8 || loop_unroll_ == 16,
+                 "MERLIN_CUDA_LOOP_UNROLL: 2, 4, 8 or 16");
   }
   if (env_is("MERLIN_CUDA_STEP_TIMING", "1")) {
     MERLIN_CUDA_CHECK(cudaEventCreate(&timing_.start));
