@@ -424,6 +424,30 @@ TEST(CudaBackend, GreedyMatchesCpuOnDefaultModel) {
   std::printf("[ default ] %s\n", m->tokenizer().decode(got).c_str());
 }
 
+// Two CUDA backends of one model, one running a step per launch (MERLIN_CUDA_CHAIN=0) and one with decode
+// loops, both prefilled with the same n_prompt pseudo-random tokens; first: the greedy id after them.
+struct LoopPair {
+  std::unique_ptr<Backend> single, looped;
+  int32_t first = 0;
+  int start = 0;  // the first decode position
+};
+LoopPair loop_pair(const Model& m, int n_prompt) {
+  const int64_t vocab = m.config().vocab_size;
+  std::vector<int32_t> prompt((size_t)n_prompt);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = (int32_t)((i * 7919 + 13) % (size_t)vocab);
+  LoopPair lp;
+  ::setenv("MERLIN_CUDA_CHAIN", "0", 1);
+  lp.single = make_backend("cuda", m, opts_with());
+  ::unsetenv("MERLIN_CUDA_CHAIN");
+  lp.looped = make_backend("cuda", m, opts_with());
+  for (Backend* b : {lp.single.get(), lp.looped.get()}) {
+    std::vector<float> row = prefill(m, *b, prompt, 0, 0, false);
+    lp.first = argmax(row.data(), vocab);
+  }
+  lp.start = n_prompt;
+  return lp;
+}
+
 // decode_greedy runs its steps in device-side loops, each step's token the previous step's argmax on the
 // device: the same ids as one forward_greedy per step (MERLIN_CUDA_CHAIN=0), with the argmax in the head's
 // product or after it, before and after the position (256) where the attention starts to split (a loop
@@ -441,19 +465,10 @@ TEST(CudaBackend, DecodeGreedyLoopsMatchSingleSteps) {
     quantize_to(f32, path, t);
     auto m = Model::load(path);
     const int64_t vocab = m->config().vocab_size;
-    std::vector<int32_t> prompt(230);
-    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = (int32_t)((i * 7919 + 13) % (size_t)vocab);
-    const int start = (int)prompt.size(), n = 75;  // loops of 16, 10 (to position 256), 16, 16, 16, one step
-
-    ::setenv("MERLIN_CUDA_CHAIN", "0", 1);
-    auto single = make_backend("cuda", *m, opts_with());
-    ::unsetenv("MERLIN_CUDA_CHAIN");
-    auto chained = make_backend("cuda", *m, opts_with());
-    int32_t first = 0;
-    for (Backend* b : {single.get(), chained.get()}) {
-      std::vector<float> row = prefill(*m, *b, prompt, 0, 0, false);
-      first = argmax(row.data(), vocab);
-    }
+    const LoopPair lp = loop_pair(*m, 230);
+    Backend *single = lp.single.get(), *chained = lp.looped.get();
+    const int32_t first = lp.first;
+    const int start = lp.start, n = 75;  // loops of 16, 10 (to position 256), 16, 16, 16, one step
     std::vector<int32_t> want;
     int32_t tok = first;
     for (int i = 0; i < n; ++i) {
@@ -494,9 +509,6 @@ TEST(CudaBackend, DecodeSampleLoopsMatchSingleSteps) {
   REQUIRE_GPU();
   auto m = Model::load(Models::get().path(DType::Q8_0));
   const int64_t vocab = m->config().vocab_size;
-  std::vector<int32_t> prompt(20);
-  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = (int32_t)((i * 7919 + 13) % (size_t)vocab);
-  const int start = (int)prompt.size();
   Rng rng(99);
   std::vector<RowSampling> rows(40);
   for (size_t i = 0; i < rows.size(); ++i) {
@@ -513,15 +525,10 @@ TEST(CudaBackend, DecodeSampleLoopsMatchSingleSteps) {
     }
     r.u = rng.uniform_double();
   }
-  ::setenv("MERLIN_CUDA_CHAIN", "0", 1);
-  auto single = make_backend("cuda", *m, opts_with());
-  ::unsetenv("MERLIN_CUDA_CHAIN");
-  auto chained = make_backend("cuda", *m, opts_with());
-  int32_t first = 0;
-  for (Backend* b : {single.get(), chained.get()}) {
-    std::vector<float> row = prefill(*m, *b, prompt, 0, 0, false);
-    first = argmax(row.data(), vocab);
-  }
+  const LoopPair lp = loop_pair(*m, 20);
+  Backend *single = lp.single.get(), *chained = lp.looped.get();
+  const int32_t first = lp.first;
+  const int start = lp.start;
   std::vector<int32_t> want;
   int32_t tok = first;
   for (size_t i = 0; i < rows.size(); ++i) {
