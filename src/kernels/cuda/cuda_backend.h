@@ -23,8 +23,8 @@
 // replayed; tokens, positions, sequences and rows travel through fixed device buffers that the graph's first
 // node fills from pinned host memory. MERLIN_CUDA_GRAPHS=0 turns graphs off. Kernels use programmatic
 // dependent launch inside graphs only (cuda_api.h, PdlScope). Decoding one sequence (decode_greedy,
-// decode_sample) runs up to 16 one-token steps per graph launch in a device-side loop (a while node over one
-// step and chain_advance): no token goes through the host in between.
+// decode_sample) runs up to 16 one-token steps per graph launch in a device-side loop (a while node over two
+// steps, the bookkeeping in the first layer's preparation): no token goes through the host in between.
 //
 // The class is shared by cuda_backend.cpp (set-up, steps, sampling) and cuda_forward.cpp (the layers of a
 // step, enqueue); internal to the CUDA backend.
