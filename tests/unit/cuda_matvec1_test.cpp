@@ -357,6 +357,52 @@ TEST(CudaMatvec1, ArgmaxMatchesArgmaxRows) {
     }
 }
 
+// The batched greedy head (matmul_argmax, then argmax_keys_to_ids) picks, for every token, argmax_rows'
+// index over matmul's logits of the same tokens, also when the largest row is copied to an earlier row (the
+// first one wins), for 2..32 tokens (8-, 16- and 32-token CTAs) and every format the batched products take;
+// the keys are zero again afterwards.
+TEST(CudaMatmul, ArgmaxMatchesArgmaxRows) {
+  REQUIRE_GPU();
+  const int64_t rows = 16 * 300 + 5, k = 768;
+  for (DType t : {DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::Q4_K, DType::TQ2_0, DType::F16, DType::BF16})
+    for (int n : {2, 13, 32}) {
+      SCOPED_TRACE(std::string(dtype_name(t)) + " tokens " + std::to_string(n));
+      std::vector<uint8_t> w = random_matrix(t, rows, k, 71);
+      const size_t rb = dtype_row_bytes(t, (uint64_t)k);
+      auto* keys = static_cast<unsigned long long*>(cu::dev_alloc((size_t)n * sizeof(unsigned long long)));
+      auto* want_ids = static_cast<int32_t*>(cu::dev_alloc((size_t)n * sizeof(int32_t)));
+      auto* got_ids = static_cast<int32_t*>(cu::dev_alloc((size_t)n * sizeof(int32_t)));
+      for (int round = 0; round < 2; ++round) {
+        cu::Matrix m = upload_one(t, w, rows, k);
+        ASSERT_TRUE(cu::matmul_argmax_fits(m, n));
+        cu::ActBuf x = plain_rows(m, k, n, 72);
+        DevFloats y(std::vector<float>((size_t)n * rows, 0.f));
+        cu::matmul(m, x, n, y.p, rows, rows, false, nullptr);
+        cu::argmax_rows(y.p, rows, n, rows, want_ids, nullptr);
+        cu::matmul_argmax(m, x, n, rows, keys, nullptr);
+        cu::argmax_keys_to_ids(keys, n, got_ids, nullptr);
+        cu::sync_device();
+        const std::vector<int32_t> want = test::download(want_ids, (size_t)n), got = test::download(got_ids, (size_t)n);
+        EXPECT_EQ(got, want) << "round " << round;
+        for (unsigned long long key : test::download(keys, (size_t)n)) EXPECT_EQ(key, 0ull);
+        if (round == 0) {  // token 0's largest row copied to row 3: row 3 must win for it now
+          EXPECT_GT(want[0], 3);
+          std::memcpy(&w[3 * rb], &w[(size_t)want[0] * rb], rb);
+        } else {
+          EXPECT_EQ(want[0], 3);
+        }
+        cu::act_free(x);
+        cu::free_matrix(m);
+      }
+      cu::dev_free(keys);
+      cu::dev_free(want_ids);
+      cu::dev_free(got_ids);
+    }
+  cu::Matrix f32{};
+  f32.fmt = 0;
+  EXPECT_FALSE(cu::matmul_argmax_fits(f32, 4));
+}
+
 // Where the epilogue cannot apply it says so and queues nothing: F16/BF16 rows, outputs not in whole blocks.
 TEST(CudaMatvec1, NormEpilogueRefusesWhatItCannotDo) {
   REQUIRE_GPU();

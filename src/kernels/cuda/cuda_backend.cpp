@@ -153,6 +153,8 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
     d_chain_ = static_cast<cuda::ChainState*>(cuda::dev_alloc(sizeof(cuda::ChainState)));
   }
   d_ids_ = dev_array<int32_t>(B);
+  d_keys_ = dev_array<unsigned long long>(B);
+  batch_argmax_ = !env_is("MERLIN_CUDA_BATCH_ARGMAX", "0");
   x_ = dev_array<float>(B * c_.dim);
   qkv_ = dev_array<float>(B * layers_[0].qkv.rows);
   att_ = dev_array<float>(B * c_.n_heads * c_.head_dim());
@@ -210,7 +212,7 @@ CudaBackend::~CudaBackend() {
   for (ActBuf& a : acts_) cuda::act_free(a);
   if (norm_fold_) cuda::act_free(norm_act_);
   for (void* p : {(void*)norm_part_, (void*)out_norm_, embd_, (void*)cos_sin_, (void*)table_, (void*)d_in_, (void*)x_, (void*)qkv_,
-                  (void*)att_, (void*)gu_, (void*)logits_, (void*)d_ids_})
+                  (void*)att_, (void*)gu_, (void*)logits_, (void*)d_ids_, (void*)d_keys_})
     cuda::dev_free(p);
   cudaFreeHost(h_in_);
   cudaFreeHost(h_chain_);

@@ -263,6 +263,14 @@ class CudaBackend final : public Backend {
   // step's input copy zeroes first; false: argmax_rows runs after the head. MERLIN_CUDA_ARGMAX_FUSE=0: never.
   bool head_argmax_ = false;
   bool fused_argmax(int n_out, Output out) const { return head_argmax_ && n_out == 1 && out == Output::GreedyIds; }
+  // Greedy steps of several rows: the head's batched product finds each row's argmax (matmul_argmax) into
+  // d_keys_ (zero between steps) instead of writing logits for argmax_rows. MERLIN_CUDA_BATCH_ARGMAX=0: never.
+  bool batch_argmax_ = true;
+  unsigned long long* d_keys_ = nullptr;  // [max_batch]
+  bool batched_argmax(int n_out, Output out) const {
+    return batch_argmax_ && out == Output::GreedyIds && n_out >= 2 && !fuse_prep_ && head_.mats.size() == 1 &&
+           !use_gemm(head_, n_out) && cuda::matmul_argmax_fits(head_.mats[0], n_out);
+  }
   float* h_logits_ = nullptr;
   int32_t* h_ids_ = nullptr;  // [max_batch] greedy or sampled ids (pinned)
   int32_t* d_ids_ = nullptr;

@@ -272,6 +272,17 @@ void CudaBackend::enqueue(int n, int n_out, Output out, const StepIo& io) {
                                           cudaMemcpyDeviceToHost, stream_));
       return;
     }
+    if (batched_argmax(n_out, out)) {  // the head's product keeps each row's argmax, not the logits
+      const Matrix& m = head_.mats[0];
+      if (!attn_folded) prepare_inputs(fin, head_, n_out, false);
+      const ActBuf& x = attn_folded ? folded : act(m.act(), m.k);
+      int32_t* ids = io.ids ? io.ids : d_ids_;
+      queue(kHead, [&] { return cuda::matmul_argmax(m, x, n_out, c_.vocab_size, d_keys_, stream_), true; });
+      queue(kArgmax, [&] { return cuda::argmax_keys_to_ids(d_keys_, n_out, ids, stream_), true; });
+      if (io.copy_out)
+        MERLIN_CUDA_CHECK(cudaMemcpyAsync(h_ids_, ids, (size_t)n_out * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+      return;
+    }
     run_linear(head_, fin, n_out, logits_, c_.vocab_size, c_.vocab_size, false, false, attn_folded ? &folded : nullptr);
     MERLIN_CHECK(io.copy_out || out != Output::Logits, "internal: logits rows always go to the host");
     if (out == Output::GreedyIds) {

@@ -64,6 +64,7 @@ struct MmArgs {
   const float* norm_w = nullptr;     // its weight per output row
   ActBuf norm_out{};                 // its Q8_0 codes and unnormalised block scales (fragment planes)
   double* norm_part = nullptr;       // per token and block of 32 outputs, the sum of y^2: [n][n_out / 32]
+  unsigned long long* argmax = nullptr;  // matmul_argmax: per token, the largest output's key; y is not written
 };
 
 // The activations a CTA reads: the global buffers, or the CTA's own tokens staged in shared memory (from
@@ -437,7 +438,8 @@ __device__ __forceinline__ void reduce_norm(const MmArgs& p, int64_t tile0, int 
 // the outputs; group j of the CTA holds tile tile0 + j.
 template <int NT>
 __device__ __forceinline__ void reduce_tiles(const MmArgs& p, int64_t tile0, int tb, int warp, int lane,
-                                             const float (&acc)[NT][4], float (*red)[NT * 4][32]) {
+                                             const float (&acc)[NT][4], float (*red)[NT * 4][32],
+                                             unsigned long long* best) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -461,6 +463,8 @@ __device__ __forceinline__ void reduce_tiles(const MmArgs& p, int64_t tile0, int
       float w = 0.f;
       for (int s = grp * p.split; s < (grp + 1) * p.split; ++s) w += red[s][i][ln ^ 4];
       rope_store(p.rope, p.y + (int64_t)tok * p.ldy, r, v, w, rope_target(p.rope, tok));
+    } else if (p.argmax) {  // the CTA's best per token (shared), raised into p.argmax at the end (mm_kernel)
+      atomicMax(best + (tok - tb), argmax_key(v, r));
     } else {
       float* dst = p.y + (int64_t)tok * p.ldy + r;
       *dst = p.accumulate ? *dst + v : v;
@@ -505,14 +509,14 @@ struct Cursor {
 template <int F, int R, int NT, bool X>
 __device__ __forceinline__ void run_item(const MmArgs& p, const XView& x, const Items& it, int i, Cursor& c,
                                          const Round<F, R>& cur, Round<F, R>& next, int tb, int warp, int lane,
-                                         float (&acc)[NT][4], float (*red)[NT * 4][32]) {
+                                         float (&acc)[NT][4], float (*red)[NT * 4][32], unsigned long long* best) {
   const Cursor nx = c.next(it);
   if (i + 1 < it.n && nx.tile(it) < p.tiles && (!X || nx.chunk(it) < p.n_chunks))
     load_round<F, R, X>(p, nx.tile(it), nx.chunk(it), lane, next);
   if (c.tile(it) < p.tiles && (!X || c.chunk(it) < p.n_chunks))
     compute_round<F, R, NT, X>(p, x, cur, c.chunk(it), tb, lane >> 2, lane & 3, acc);
   if (c.r == it.rounds - 1) {
-    reduce_tiles<NT>(p, (int64_t)c.set * it.groups, tb, warp, lane, acc, red);
+    reduce_tiles<NT>(p, (int64_t)c.set * it.groups, tb, warp, lane, acc, red, best);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
   }
@@ -534,8 +538,10 @@ template <int F, int NT, int MinBlocks = NT == 4 ? 1 : 2, bool X = false, int R 
 __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float red[kWarps][NT * 4][32];
+  __shared__ unsigned long long best[8 * NT];  // matmul_argmax (the first reduction's barrier orders the zeros)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int tb = blockIdx.y * 8 * NT;
+  if (threadIdx.x < 8 * NT) best[threadIdx.x] = 0ull;
   const Items it(p, warp);
   Round<F, R> ra{}, rb{};
   Cursor c{(int)blockIdx.x, 0};
@@ -550,9 +556,11 @@ __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
   for (int i = 0; i < it.n; i += 2) {
-    run_item<F, R, NT, X>(p, x, it, i, c, ra, rb, tb, warp, lane, acc, red);
-    if (i + 1 < it.n) run_item<F, R, NT, X>(p, x, it, i + 1, c, rb, ra, tb, warp, lane, acc, red);
+    run_item<F, R, NT, X>(p, x, it, i, c, ra, rb, tb, warp, lane, acc, red, best);
+    if (i + 1 < it.n) run_item<F, R, NT, X>(p, x, it, i + 1, c, rb, ra, tb, warp, lane, acc, red, best);
   }
+  if (p.argmax && threadIdx.x < 8 * NT && tb + (int)threadIdx.x < p.n && best[threadIdx.x] != 0ull)
+    atomicMax(p.argmax + tb + threadIdx.x, best[threadIdx.x]);  // reduce_tiles ended with a barrier
 }
 
 // F32 weights (test models): a warp per row, up to 8 tokens per CTA row.
@@ -832,6 +840,20 @@ void matmul(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, in
   if (n == 1 && matvec1(w, x, d_y, n_out_rows, accumulate, stream)) return;
   MERLIN_CHECK(!x.glu_src, "matmul: no single-token kernel computes this SwiGLU row (ActBuf::glu_src)");
   launch_product(w.fmt, product_args(w, x, n, d_y, ldy, n_out_rows, accumulate), stream);
+}
+
+bool matmul_argmax_fits(const Matrix& w, int n) { return w.fmt != kF32 && n >= 2; }
+
+void matmul_argmax(const Matrix& w, const ActBuf& x, int n, int64_t n_out, unsigned long long* d_keys,
+                   Stream stream) {
+  MERLIN_CHECK(matmul_argmax_fits(w, n), "matmul_argmax: F32 rows or fewer than two tokens");
+  MERLIN_CHECK(x.kind == w.act() && x.k == w.k && n <= x.n_cap, "matmul_argmax: activation buffer does not fit");
+  MERLIN_CHECK(!x.rms_part || (n == x.rms_rows && reads_deferred_norm(w, n)),
+               "matmul_argmax: this product cannot read a deferred RMSNorm of ", x.rms_rows, " rows as ", n, " tokens");
+  MERLIN_CHECK(!x.glu_src, "matmul_argmax: a SwiGLU row (ActBuf::glu_src) is read by single-token products only");
+  MmArgs p = product_args(w, x, n, nullptr, 0, n_out, false);
+  p.argmax = d_keys;
+  launch_product(w.fmt, p, stream);
 }
 
 bool matmul_rope_kv(const Matrix& w, const ActBuf& x, int n, float* d_qkv, int64_t ldy, const RopeKvArgs& r,

@@ -39,6 +39,17 @@ __host__ __device__
 inline int32_t argmax_key_row(unsigned long long key) {
   return key == 0ull ? 0 : (int32_t)(0xFFFFFFFFu - (uint32_t)key);
 }
+#ifdef __CUDACC__
+// A row's value and index as one 64-bit key whose unsigned order is the order argmax_rows picks by: larger
+// values first, then the smaller index; NaN rows get 0 and never win (a row of NaN only leaves 0: index 0,
+// as argmax_rows returns). matvec1_argmax and matmul_argmax raise keys with atomicMax.
+__device__ __forceinline__ unsigned long long argmax_key(float v, int64_t row) {
+  if (isnan(v)) return 0ull;
+  uint32_t u = __float_as_uint(v);
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return ((unsigned long long)u << 32) | (0xFFFFFFFFu - (uint32_t)row);
+}
+#endif
 
 // Called once by init_matmul_kernels (never inside a graph capture): kernel attributes and occupancy.
 void init_matvec1_kernels();

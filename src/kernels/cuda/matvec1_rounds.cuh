@@ -54,16 +54,6 @@ struct Mv1Args {
 // input with a deferred scale (matvec1_norm).
 enum Epi : int { kEpiPlain = 0, kEpiGlu = 1, kEpiNorm = 2, kEpiArgmax = 3 };
 
-// Argmax variant (matvec1_argmax): a row's value and index as one 64-bit key whose unsigned order is the
-// order argmax_rows picks by: larger values first, then the smaller index; NaN rows get 0 and never win (a
-// row of NaN only leaves 0: index 0, as argmax_rows returns).
-__device__ __forceinline__ unsigned long long argmax_key(float v, int64_t row) {
-  if (isnan(v)) return 0ull;
-  uint32_t u = __float_as_uint(v);
-  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-  return ((unsigned long long)u << 32) | (0xFFFFFFFFu - (uint32_t)row);
-}
-
 // Scale words per round: per k-step (Q8_0, Q4_0: half2 of rows g, g + 8; MXFP4: their e8m0 bytes), per
 // super-block (TQ2_0: half2), none (Q4_K: two 16-byte headers instead).
 __host__ __device__ constexpr int round_scales(int f) {

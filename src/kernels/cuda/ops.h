@@ -214,6 +214,13 @@ class GemmRunner {
 void embed(DType type, const void* d_table, size_t row_bytes, int64_t dim, const int32_t* d_tokens, int n, float* d_x,
            Stream stream);
 
+// matmul's product of n >= 2 tokens, but instead of writing y each token's largest output among the first
+// n_out rows goes to d_keys[t] (an argmax key, argmax_key_row; raised with atomicMax, so zero before the
+// launch): a batched greedy head without its logits' round trip through memory. F32 rows: no (fits false).
+bool matmul_argmax_fits(const Matrix& w, int n);
+void matmul_argmax(const Matrix& w, const ActBuf& x, int n, int64_t n_out, unsigned long long* d_keys,
+                   Stream stream);
+
 // K/V cache geometry shared by rope_kv and attention.
 struct KvArgs {
   void* d_k = nullptr;             // [n_blocks * block_size][kv_dim], F16 or F32, or Q8_0 codes (int8)
@@ -301,6 +308,8 @@ void argmax_rows(const float* d_logits, int64_t ld, int n_rows, int64_t n, int32
 // host must finish the row (sample_row on its adjusted logits).
 constexpr int32_t kSampleMore = -2;
 size_t sample_rows_work_bytes(int n_rows, int64_t n);
+// d_ids[t] = argmax_key_row(d_keys[t]) for n keys (matmul_argmax's), which are zeroed for the next use.
+void argmax_keys_to_ids(unsigned long long* d_keys, int n, int32_t* d_ids, Stream stream);
 void sample_rows(float* d_logits, int64_t ld, int n_rows, int64_t n, const RowSampling* d_rows,
                  const LogitAdjust* d_adjust, int32_t* d_out, Stream stream, void* d_work = nullptr);
 void sample_rows_more(const float* d_logits, int64_t ld, int n_rows, int64_t n, const RowSampling* d_rows,

@@ -2,6 +2,7 @@
 // and penalties (sample_rows), so a decode step copies back one int32 per sequence instead of a row of
 // vocab_size floats. This file: argmax and sample_rows by one CTA per row (the fallback and the reference of
 // the sliced path in sample_slices.cu).
+#include "kernels/cuda/matvec1.h"
 #include "kernels/cuda/sample_impl.cuh"
 
 namespace merlin::cuda {
@@ -23,6 +24,16 @@ __global__ void argmax_rows_kernel(const float* __restrict__ logits, int64_t ld,
     b = warp_best(warps[lane]);
     // A row of NaN only: index 0, as the host's loop would return.
     if (lane == 0) out[blockIdx.x] = b.i == INT_MAX ? 0 : b.i;
+  }
+}
+
+__global__ void keys_to_ids_kernel(unsigned long long* keys, int n, int32_t* ids) {
+  pdl_trigger();
+  pdl_wait();
+  const int t = threadIdx.x;
+  if (t < n) {
+    ids[t] = argmax_key_row(keys[t]);
+    keys[t] = 0ull;
   }
 }
 
@@ -127,6 +138,13 @@ void argmax_rows(const float* d_logits, int64_t ld, int n_rows, int64_t n, int32
   if (n_rows <= 0) return;
   launch_pdl(argmax_rows_kernel, n_rows, kThreads, 0, stream, d_logits, ld, n, d_out);
   check_launch("argmax_rows");
+}
+
+void argmax_keys_to_ids(unsigned long long* d_keys, int n, int32_t* d_ids, Stream stream) {
+  if (n <= 0) return;
+  MERLIN_CHECK(n <= 1024, "argmax_keys_to_ids: ", n, " keys (1024 at most)");
+  launch_pdl(keys_to_ids_kernel, 1, ((n + 31) / 32) * 32, 0, stream, d_keys, n, d_ids);
+  check_launch("argmax_keys_to_ids");
 }
 
 }  // namespace merlin::cuda
