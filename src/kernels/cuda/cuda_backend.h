@@ -216,11 +216,10 @@ class CudaBackend final : public Backend {
   bool embed_fuse_ = true;  // MERLIN_CUDA_EMBED_FUSE=0: the embedding lookup runs as its own kernel
   ActBuf glu_in_;  // glu_input's buffer view
   bool norm_fold_ = true;   // MERLIN_CUDA_NORM_FOLD=0: every RMSNorm runs as its own kernel
-  // Steps of 2 .. norm_fold_mm_ tokens fold it too where it pays (MERLIN_CUDA_NORM_FOLD_MM=N, 0 .. 32). Off by
-  // default: on the H200 16- and 32-token steps lost 2-5 % (the producer keeps at most 4 warps per tile and the
-  // reader completes the scales after staging), 8-token steps moved between +5 % and -6 % from call to call
-  // (docs/GPU.md).
-  int norm_fold_mm_ = 0;
+  // Steps of 2 .. norm_fold_mm_ tokens fold it too where it pays (MERLIN_CUDA_NORM_FOLD_MM=N, 0 .. 32; 0: off).
+  // It lost 2-5 % at 16 and 32 tokens when it came (eleventh session); with the rounds of 2 chunks since, it
+  // gains (fifteenth session, docs/GPU.md).
+  int norm_fold_mm_ = kGraphMaxTokens;
   unsigned twice_ = 0;  // MERLIN_CUDA_TWICE
   // MERLIN_CUDA_STEP_TIMING=1 (A/B timing): per graph step, the GPU's span (events around the launch) and the
   // host's wall time of run_step, averaged and printed to stderr when the backend is destroyed.

@@ -806,7 +806,10 @@ bool matmul_norm_fits(const Matrix& w, int64_t n_out, int n) {
   return w.fmt != kF32 && n >= 2 && n_out > 0 && n_out % 32 == 0 && n_out <= w.rows;
 }
 
-bool matmul_norm_pays(const Matrix& w) { return geometry(w.fmt, w.rows, w.k).n_chunks <= 4 * kRound; }
+bool matmul_norm_pays(const Matrix& w, int n) {
+  const bool fmt = w.fmt == kQ4_0 || (w.fmt == kMXFP4 && n <= 4);
+  return fmt && geometry(w.fmt, w.rows, w.k).n_chunks <= 4 * kRound;
+}
 
 bool matmul_norm(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out, bool accumulate,
                  const float* d_norm_w, ActBuf& out, double* d_part, Stream stream) {

@@ -176,8 +176,11 @@ bool matmul_norm(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ld
 bool reads_deferred_norm(const Matrix& w, int n);
 // Whether matmul_norm keeps the plain product's rounds per warp: its at most 4 warps per tile cover a row in
 // one round each (rows of at most 16 chunks: 1,024 columns of Q4_0 / MXFP4, 512 of Q8_0). Longer rows get
-// twice the rounds per warp or more (macbook q4_0 x8 lost 6 %), so the backend folds only where this holds.
-bool matmul_norm_pays(const Matrix& w);
+// twice the rounds per warp or more (macbook q4_0 x8 lost 6 %), so the backend folds only where this holds,
+// and for the formats whose n-token steps gained on the H200 (fifteenth session, base x2 .. x32, fold / not:
+// Q4_0 +2 to +6 % at every size, MXFP4 +7 to +8 % at 2 and 4 tokens and -1 to -2.5 % from 8 on, Q8_0 within
+// +-2 %; Q4_K and TQ2_0 readers take Q8_K rows and never fold).
+bool matmul_norm_pays(const Matrix& w, int n);
 // Tests: forces log2 of the warps per tile of the single-token products (clamped per variant); -1 restores
 // the per-matrix choice.
 void set_matvec1_split(int lsplit);
