@@ -5,6 +5,7 @@
 // bench/cuda_trace_summary.py turns a trace into per-step kernel times and the gaps between them.
 //   LD_PRELOAD=build/lib/libmerlin_cuda_trace.so MERLIN_TRACE=t.csv merlin bench --device cuda ...
 #include <cupti.h>
+#include <cxxabi.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -33,11 +34,21 @@ void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_recor
   *max_records = 0;
 }
 
+// Kernel names come mangled; the summary reads them demangled (mv1_kernel<2, 2, 0, true> rather than _ZN...).
+std::string demangle(const char* name) {
+  if (!name) return "?";
+  int status = 0;
+  char* d = abi::__cxa_demangle(name, nullptr, nullptr, &status);
+  std::string out = status == 0 && d ? d : name;
+  std::free(d);
+  return out;
+}
+
 void keep(const CUpti_Activity* a) {
   Record r{};
   if (a->kind == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL || a->kind == CUPTI_ACTIVITY_KIND_KERNEL) {
     const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(a);
-    r = {'K', k->start, k->end, k->graphNodeId > 0xFFFFFFFFull ? 0u : (unsigned)k->graphNodeId, k->name ? k->name : "?"};
+    r = {'K', k->start, k->end, k->graphNodeId > 0xFFFFFFFFull ? 0u : (unsigned)k->graphNodeId, demangle(k->name)};
   } else if (a->kind == CUPTI_ACTIVITY_KIND_MEMCPY) {
     const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(a);
     r = {'M', m->start, m->end, (unsigned)m->graphNodeId, m->copyKind == CUPTI_ACTIVITY_MEMCPY_KIND_HTOD   ? "HtoD"
@@ -59,6 +70,12 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
   std::free(buffer);
 }
 
+std::string csv_quoted(const std::string& s) {  // a double quote inside a quoted CSV field is doubled
+  std::string out;
+  for (char c : s) out += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return out;
+}
+
 void write_trace() {
   if (!g_on) return;
   g_on = false;
@@ -70,7 +87,7 @@ void write_trace() {
   std::fprintf(f, "kind,start_ns,end_ns,graph_node,name\n");
   const std::lock_guard<std::mutex> lock(g_mu);
   for (const Record& r : g_records)
-    std::fprintf(f, "%c,%llu,%llu,%u,\"%s\"\n", r.kind, r.start, r.end, r.node, r.name.c_str());
+    std::fprintf(f, "%c,%llu,%llu,%u,\"%s\"\n", r.kind, r.start, r.end, r.node, csv_quoted(r.name).c_str());
   std::fclose(f);
   std::fprintf(stderr, "[cuda_trace] %zu records -> %s\n", g_records.size(), path ? path : "cuda_trace.csv");
 }

@@ -29,3 +29,10 @@ endforeach()
 
 add_test(NAME cli.init_streaming COMMAND ${MERLIN_BASH} ${CMAKE_CURRENT_LIST_DIR}/init_streaming.sh $<TARGET_FILE:merlin>)
 set_tests_properties(cli.init_streaming PROPERTIES TIMEOUT 300 SKIP_RETURN_CODE 77 ENVIRONMENT "${_cli_env}" LABELS cli)
+
+# bench/cuda_trace_summary.py (the GPU timeline summary) on a synthetic trace: plain python3, no packages.
+find_program(MERLIN_PYTHON3 python3)
+if(MERLIN_PYTHON3)
+  add_test(NAME bench.trace_summary COMMAND ${MERLIN_PYTHON3} -W error ${CMAKE_CURRENT_LIST_DIR}/trace_summary_test.py)
+  set_tests_properties(bench.trace_summary PROPERTIES TIMEOUT 60 LABELS cli)
+endif()
