@@ -45,6 +45,15 @@ void rope_backward(ThreadPool& pool, float* dx, int64_t n, int64_t seq, int64_t 
 void swiglu_forward(ThreadPool& pool, const float* gu, int64_t n, int64_t f, float* h);
 void swiglu_backward(ThreadPool& pool, const float* dh, const float* gu, int64_t n, int64_t f, float* dgu);
 
+// ---- residual dropout (training only) ----
+// A branch output joins the residual stream as out[i] += keep(i) ? branch[i] / (1 - p) : 0. keep(i) is a hash
+// of (key, i), not a draw from a stream: the backward pass regenerates the mask, nothing needs storing, and a
+// step's masks follow from its key alone (resumed runs repeat them). Each keeps a fraction 1 - p, to 2^-24.
+bool dropout_keep(uint64_t key, int64_t i, float p);
+void dropout_add(ThreadPool& pool, float p, uint64_t key, const float* branch, int64_t n, float* out);
+// dbranch (overwritten) = keep(i) ? dout[i] / (1 - p) : 0.
+void dropout_backward(ThreadPool& pool, float p, uint64_t key, const float* dout, int64_t n, float* dbranch);
+
 // ---- causal self-attention with GQA on fused q|k|v rows [n][q_dim + 2 kv_dim] ----
 struct AttnShape {
   int64_t batch, seq, n_heads, n_kv_heads, head_dim;

@@ -130,4 +130,34 @@ void swiglu_backward(ThreadPool& pool, const float* dh, const float* gu, int64_t
   });
 }
 
+namespace {
+
+uint64_t mix64(uint64_t z) {  // splitmix64's finalizer
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+}  // namespace
+
+bool dropout_keep(uint64_t key, int64_t i, float p) {
+  const uint64_t threshold = (uint64_t)((double)p * 16777216.0);  // p in units of 2^-24
+  return (mix64(key + (uint64_t)i * 0x9e3779b97f4a7c15ull) >> 40) >= threshold;
+}
+
+void dropout_add(ThreadPool& pool, float p, uint64_t key, const float* branch, int64_t n, float* out) {
+  const float scale = 1.0f / (1.0f - p);
+  pool.parallel_for(n, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i)
+      if (dropout_keep(key, i, p)) out[i] += branch[i] * scale;
+  });
+}
+
+void dropout_backward(ThreadPool& pool, float p, uint64_t key, const float* dout, int64_t n, float* dbranch) {
+  const float scale = 1.0f / (1.0f - p);
+  pool.parallel_for(n, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) dbranch[i] = dropout_keep(key, i, p) ? dout[i] * scale : 0.0f;
+  });
+}
+
 }  // namespace merlin::train

@@ -19,8 +19,8 @@ struct Network::Acts {
   std::vector<float> lse, att, mid;     // [L][n][heads], [L][n][q], [L][n][d]
   std::vector<float> xn2, rstd2, gu, hs;  // [L][n][d], [L][n], [L][n][2f], [L][n][f]
   std::vector<float> xnf, rstdf;        // [n][d], [n]
-  // Gradient scratch shared by all layers.
-  std::vector<float> dres, dxn, dqkv, datt, dgu, dh;
+  // Gradient scratch shared by all layers; br / dbr: a dropped branch's output and its gradient.
+  std::vector<float> dres, dxn, dqkv, datt, dgu, dh, br, dbr;
 
   Acts(const ModelConfig& c, int64_t n_) : n(n_), d(c.dim), q(c.n_heads * c.head_dim()), qkv(q + 2 * c.kv_dim()),
                                            f(c.ffn_dim), h(c.n_heads) {
@@ -44,6 +44,8 @@ struct Network::Acts {
     datt.resize(n * q);
     dgu.resize(n * 2 * f);
     dh.resize(n * f);
+    br.resize(n * d);
+    dbr.resize(n * d);
   }
   float* res_at(int l) { return res.data() + l * n * d; }
   float* xn1_at(int l) { return xn1.data() + l * n * d; }
@@ -86,6 +88,16 @@ void Network::set_tokens(const int32_t* tokens, int64_t rows) {
     }
 }
 
+void Network::set_dropout(float p, uint64_t key) {
+  MERLIN_CHECK(p >= 0.0f && p < 1.0f, "dropout must be in [0, 1), got ", p);
+  drop_p_ = p;
+  drop_key_ = key;
+}
+
+uint64_t Network::branch_key(int layer, int branch) const {
+  return drop_key_ ^ (((uint64_t)(2 * layer + branch) + 1) * 0xd1b54a32d192ed03ull);
+}
+
 double Network::forward_backward(const int32_t* tokens, int64_t rows, float grad_scale) {
   set_tokens(tokens, rows);
   const double loss = forward(rows * seq_, grad_scale);
@@ -125,7 +137,12 @@ void Network::attention_block(int l, int64_t n) {
   rope_forward(pool_, qkv + a.q, n, seq_, a.qkv, c_.n_kv_heads, hd, rope_);
   attention_forward(pool_, shape_, qkv, a.att_at(l), a.lse_at(l));
   std::memcpy(a.mid_at(l), a.res_at(l), sizeof(float) * n * d);
-  linear_forward(pool_, a.att_at(l), w(L.wo), n, a.q, d, a.mid_at(l), /*accumulate=*/true);
+  if (drop_p_ > 0.0f) {
+    linear_forward(pool_, a.att_at(l), w(L.wo), n, a.q, d, a.br.data());
+    dropout_add(pool_, drop_p_, branch_key(l, 0), a.br.data(), n * d, a.mid_at(l));
+  } else {
+    linear_forward(pool_, a.att_at(l), w(L.wo), n, a.q, d, a.mid_at(l), /*accumulate=*/true);
+  }
 }
 
 void Network::ffn_block(int l, int64_t n) {
@@ -136,7 +153,20 @@ void Network::ffn_block(int l, int64_t n) {
   linear_forward(pool_, a.xn2_at(l), w(L.wgu), n, d, 2 * f, a.gu_at(l));
   swiglu_forward(pool_, a.gu_at(l), n, f, a.hs_at(l));
   std::memcpy(a.res_at(l + 1), a.mid_at(l), sizeof(float) * n * d);
-  linear_forward(pool_, a.hs_at(l), w(L.wdown), n, f, d, a.res_at(l + 1), /*accumulate=*/true);
+  if (drop_p_ > 0.0f) {
+    linear_forward(pool_, a.hs_at(l), w(L.wdown), n, f, d, a.br.data());
+    dropout_add(pool_, drop_p_, branch_key(l, 1), a.br.data(), n * d, a.res_at(l + 1));
+  } else {
+    linear_forward(pool_, a.hs_at(l), w(L.wdown), n, f, d, a.res_at(l + 1), /*accumulate=*/true);
+  }
+}
+
+// d(loss)/d(branch output) of layer l's branch: the residual's gradient, through the dropout mask if any.
+const float* Network::branch_grad(int l, int branch, int64_t n) {
+  Acts& a = *a_;
+  if (drop_p_ <= 0.0f) return a.dres.data();
+  dropout_backward(pool_, drop_p_, branch_key(l, branch), a.dres.data(), n * c_.dim, a.dbr.data());
+  return a.dbr.data();
 }
 
 void Network::backward(int64_t n) {
@@ -155,8 +185,9 @@ void Network::ffn_block_backward(int l, int64_t n) {
   Acts& a = *a_;
   const ParamLayout::Layer& L = layout_.layers[l];
   const int64_t d = c_.dim, f = c_.ffn_dim;
-  linear_backward_input(pool_, a.dres.data(), w(L.wdown), n, f, d, a.dh.data(), false);
-  linear_backward_weight(pool_, a.dres.data(), a.hs_at(l), n, f, d, g(L.wdown));
+  const float* dy = branch_grad(l, 1, n);
+  linear_backward_input(pool_, dy, w(L.wdown), n, f, d, a.dh.data(), false);
+  linear_backward_weight(pool_, dy, a.hs_at(l), n, f, d, g(L.wdown));
   swiglu_backward(pool_, a.dh.data(), a.gu_at(l), n, f, a.dgu.data());
   linear_backward_input(pool_, a.dgu.data(), w(L.wgu), n, d, 2 * f, a.dxn.data(), false);
   linear_backward_weight(pool_, a.dgu.data(), a.xn2_at(l), n, d, 2 * f, g(L.wgu));
@@ -168,8 +199,9 @@ void Network::attention_block_backward(int l, int64_t n) {
   Acts& a = *a_;
   const ParamLayout::Layer& L = layout_.layers[l];
   const int64_t d = c_.dim, hd = c_.head_dim();
-  linear_backward_input(pool_, a.dres.data(), w(L.wo), n, a.q, d, a.datt.data(), false);
-  linear_backward_weight(pool_, a.dres.data(), a.att_at(l), n, a.q, d, g(L.wo));
+  const float* dy = branch_grad(l, 0, n);
+  linear_backward_input(pool_, dy, w(L.wo), n, a.q, d, a.datt.data(), false);
+  linear_backward_weight(pool_, dy, a.att_at(l), n, a.q, d, g(L.wo));
   attention_backward(pool_, shape_, a.qkv_at(l), a.lse_at(l), a.datt.data(), a.dqkv.data());
   rope_backward(pool_, a.dqkv.data(), n, seq_, a.qkv, c_.n_heads, hd, rope_);
   rope_backward(pool_, a.dqkv.data() + a.q, n, seq_, a.qkv, c_.n_kv_heads, hd, rope_);

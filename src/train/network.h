@@ -35,6 +35,10 @@ class Network {
   // Adds grad_scale * d(sum of token losses)/dθ to grads() and returns that sum (before scaling).
   double forward_backward(const int32_t* tokens, int64_t rows, float grad_scale);
   double forward_loss(const int32_t* tokens, int64_t rows);  // no gradients
+  // Residual dropout for the passes that follow (layers.h): each layer's attention and MLP outputs are
+  // dropped with probability p, with masks drawn from `key` (the trainer's: seed, step, micro-batch). p = 0
+  // (the default) turns it off, as evaluation needs.
+  void set_dropout(float p, uint64_t key);
 
  private:
   struct Acts;
@@ -45,6 +49,7 @@ class Network {
   void backward(int64_t n);
   void ffn_block_backward(int l, int64_t n);
   void attention_block_backward(int l, int64_t n);
+  const float* branch_grad(int l, int branch, int64_t n);
   const float* w(size_t offset) const { return params_.data() + offset; }
   float* g(size_t offset) { return grads_.data() + offset; }
 
@@ -58,6 +63,9 @@ class Network {
   std::unique_ptr<Acts> a_;
   HeadScratch head_;
   std::vector<int32_t> inputs_, targets_;
+  float drop_p_ = 0.0f;
+  uint64_t drop_key_ = 0;
+  uint64_t branch_key(int layer, int branch) const;  // branch 0: attention, 1: MLP
 };
 
 }  // namespace merlin::train

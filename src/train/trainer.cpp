@@ -27,7 +27,8 @@ std::vector<std::pair<std::string, double>> hyperparameters(const TrainOptions& 
           {"steps", (double)p.steps}, {"batch", (double)o.batch},   {"seq", (double)o.seq},
           {"accum", (double)o.accum}, {"weight_decay", p.weight_decay}, {"grad_clip", p.grad_clip},
           {"beta1", p.beta1},     {"beta2", p.beta2},           {"eps", p.eps},
-          {"decay_embeddings", p.decay_embeddings ? 1.0 : 0.0}, {"seed", (double)o.seed}};
+          {"decay_embeddings", p.decay_embeddings ? 1.0 : 0.0}, {"seed", (double)o.seed},
+          {"dropout", (double)o.dropout}};
 }
 
 void validate(const TrainOptions& o) {
@@ -42,6 +43,7 @@ void validate(const TrainOptions& o) {
                "--warmup, --weight-decay and --grad-clip must not be negative");
   MERLIN_CHECK(o.optim.beta1 >= 0 && o.optim.beta1 < 1 && o.optim.beta2 >= 0 && o.optim.beta2 < 1 && o.optim.eps > 0,
                "AdamW needs 0 <= beta < 1 and eps > 0");
+  MERLIN_CHECK(o.dropout >= 0.0f && o.dropout < 1.0f, "--dropout must be in [0, 1)");
   MERLIN_CHECK(!o.out_dir.empty(), "--out DIR is required");
   MERLIN_CHECK(o.model.vocab_size <= 65536, "token shards hold 16-bit ids: the vocabulary must be at most 65536");
 }
@@ -176,6 +178,8 @@ double Trainer::train_step(int64_t step) {
   double sum = 0;
   for (int64_t a = 0; a < o_.accum; ++a) {
     sampler_.next(tokens_.data() + a * per_micro);
+    // A micro-batch's masks depend only on (seed, step, micro-batch), so a resumed run draws the same ones.
+    net_.set_dropout(o_.dropout, (o_.seed * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)step << 20) ^ (uint64_t)a);
     sum += net_.forward_backward(tokens_.data() + a * per_micro, o_.batch, scale);
   }
   if (dump_) dump_->batch(step, tokens_);
@@ -187,6 +191,7 @@ double Trainer::train_step(int64_t step) {
 void Trainer::evaluate(uint64_t step) {
   const uint64_t windows = std::min<uint64_t>(eval_windows(*val_, o_.seq), std::max<int64_t>(1, o_.eval_tokens / o_.seq));
   std::vector<int32_t> buf(o_.batch * (o_.seq + 1));
+  net_.set_dropout(0.0f, 0);  // the validation loss of the whole model
   double sum = 0;
   for (uint64_t w0 = 0; w0 < windows; w0 += o_.batch) {
     const int64_t rows = (int64_t)std::min<uint64_t>(o_.batch, windows - w0);

@@ -26,6 +26,7 @@ struct TrainOptions {
   int keep_checkpoints = 2;  // older ones are deleted
   OptimConfig optim;         // optim.steps is the number of steps to train
   uint64_t seed = 0;
+  float dropout = 0.0f;  // residual dropout while training (Network::set_dropout); masks from (seed, step)
   int threads = 0;
   bool progress = true;  // live line on a terminal, plain lines otherwise
 };

@@ -5,8 +5,10 @@
 #include <cstdio>
 #include <vector>
 
+#include "core/error.h"
 #include "core/rng.h"
 #include "core/thread_pool.h"
+#include "train/layers.h"
 #include "train/network.h"
 
 namespace merlin::train {
@@ -63,11 +65,12 @@ double numeric_grad(Network& net, const std::vector<int32_t>& tokens, int64_t ro
   return (4 * diff(h / 2) - diff(h)) / 3;
 }
 
-void check_gradients(const ModelConfig& c) {
+void check_gradients(const ModelConfig& c, float dropout = 0.0f) {
   ThreadPool pool(2);
   const int64_t rows = 3, seq = 6;
   Network net(c, rows, seq, pool);
   randomize(net, 7);
+  net.set_dropout(dropout, 12345);  // the numeric losses below see the same masks
   const std::vector<int32_t> tokens = random_tokens(rows, seq, c.vocab_size, 11);
   net.zero_grads();
   net.forward_backward(tokens.data(), rows, 1.0f / (float)(rows * seq));
@@ -93,6 +96,42 @@ void check_gradients(const ModelConfig& c) {
 TEST(TrainGrad, FiniteDifferencesTiedGqa) { check_gradients(tiny_config(true, 0)); }
 
 TEST(TrainGrad, FiniteDifferencesUntiedPartialRope) { check_gradients(tiny_config(false, 2)); }
+
+TEST(TrainGrad, FiniteDifferencesWithDropout) { check_gradients(tiny_config(true, 0), 0.3f); }
+
+TEST(TrainGrad, DropoutMasksKeepTheirFraction) {
+  const int64_t n = 1 << 20;
+  for (float p : {0.1f, 0.25f, 0.5f}) {
+    int64_t kept = 0, same = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const bool k = dropout_keep(7, i, p);
+      kept += k;
+      same += k == dropout_keep(8, i, p);
+    }
+    EXPECT_NEAR((double)kept / n, 1.0 - p, 3e-3) << p;
+    // Another key gives an independent mask: agreement p^2 + (1 - p)^2.
+    EXPECT_NEAR((double)same / n, p * p + (1 - p) * (1 - p), 3e-3) << p;
+  }
+  for (int64_t i = 0; i < 1000; ++i) EXPECT_TRUE(dropout_keep(7, i, 0.0f));
+}
+
+// Dropout changes the loss while set, and p = 0 gives back the model's own loss, bit for bit.
+TEST(TrainGrad, DropoutOffIsTheModel) {
+  const ModelConfig c = tiny_config(true, 0);
+  const int64_t rows = 2, seq = 8;
+  const std::vector<int32_t> tokens = random_tokens(rows, seq, c.vocab_size, 4);
+  ThreadPool pool(2);
+  Network net(c, rows, seq, pool);
+  randomize(net, 3);
+  const double plain = net.forward_loss(tokens.data(), rows);
+  net.set_dropout(0.5f, 99);
+  const double dropped = net.forward_loss(tokens.data(), rows);
+  EXPECT_NE(plain, dropped);
+  EXPECT_EQ(dropped, net.forward_loss(tokens.data(), rows));  // same key, same masks
+  net.set_dropout(0.0f, 0);
+  EXPECT_EQ(plain, net.forward_loss(tokens.data(), rows));
+  EXPECT_THROW(net.set_dropout(1.0f, 0), Error);
+}
 
 // Gradients are bit-identical for any thread count (each element summed by one thread in a fixed order),
 // and accumulating two half batches adds up to the gradient of the whole batch.

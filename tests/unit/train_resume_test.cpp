@@ -110,6 +110,24 @@ TEST_F(TrainRun, ResumeReproducesTheUninterruptedRunBitForBit) {
   EXPECT_EQ(std::memcmp(&a.state.data_rng, &b.state.data_rng, sizeof a.state.data_rng), 0);
 }
 
+// Dropout masks come from (seed, step, micro-batch): a resumed run draws the same ones. They also change the
+// run (the training losses differ from a run without dropout).
+TEST_F(TrainRun, ResumeWithDropoutReproducesTheRun) {
+  TrainOptions full = tiny_options(dir_, "drop_full");
+  full.dropout = 0.2f;
+  train_model(full);
+  TrainOptions half = tiny_options(dir_, "drop_resumed");
+  half.dropout = 0.2f;
+  half.resume = full.out_dir + "/ckpt-000004.ckpt";
+  train_model(half);
+  EXPECT_EQ(records(full.out_dir + "/metrics.jsonl", 4), records(half.out_dir + "/metrics.jsonl"));
+  EXPECT_TRUE(load_checkpoint(full.out_dir + "/ckpt-000008.ckpt").params ==
+              load_checkpoint(half.out_dir + "/ckpt-000008.ckpt").params);
+  const TrainOptions plain = tiny_options(dir_, "no_drop");
+  train_model(plain);
+  EXPECT_NE(records(full.out_dir + "/metrics.jsonl"), records(plain.out_dir + "/metrics.jsonl"));
+}
+
 TEST_F(TrainRun, ResumeInPlaceRewritesTheMetricsTail) {
   const TrainOptions full = tiny_options(dir_, "full");
   train_model(full);

@@ -52,6 +52,7 @@ void adopt_hyperparameters(const CLI::App& app, const train::TrainState& s, Trai
     take("beta2", "--beta2", p.beta2);
     take("eps", "--adam-eps", p.eps);
     take("seed", "--seed", a.o.seed);
+    take("dropout", "--dropout", a.o.dropout);
     if (name == "decay_embeddings" && !given(app, "--decay-embeddings")) p.decay_embeddings = v != 0;
   }
 }
@@ -109,6 +110,8 @@ Action add_train(CLI::App& app) {
   app.add_option("--beta2", o.optim.beta2, "AdamW beta2")->capture_default_str();
   app.add_option("--adam-eps", o.optim.eps, "AdamW epsilon")->capture_default_str();
   app.add_option("--grad-clip", o.optim.grad_clip, "clip the global gradient norm (0: off)")->capture_default_str();
+  app.add_option("--dropout", o.dropout, "residual dropout on each layer's attention and MLP outputs while training")
+      ->capture_default_str();
   app.add_option("--eval-every", o.eval_every, "steps between evaluations (0: never)")->capture_default_str();
   app.add_option("--eval-tokens", o.eval_tokens, "validation tokens per evaluation")->capture_default_str();
   app.add_option("--ckpt-every", o.ckpt_every, "steps between checkpoints (one is always written at the end)")
