@@ -6,16 +6,20 @@
 
 namespace merlin {
 
+// splitmix64's finalizer: a well-mixed 64-bit hash of z (seeding, and hashed masks such as the trainer's dropout).
+inline uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
 class Rng {
  public:
   explicit Rng(uint64_t seed = 0) { reseed(seed); }
   void reseed(uint64_t seed) {
     for (auto& w : s_) {
       seed += 0x9e3779b97f4a7c15ull;
-      uint64_t z = seed;
-      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-      z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-      w = z ^ (z >> 31);
+      w = mix64(seed);
     }
     has_spare_ = false;
   }

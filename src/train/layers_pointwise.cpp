@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/rng.h"
 #include "core/thread_pool.h"
 #include "train/layers.h"
 #include "train/train_kernels.h"
@@ -129,16 +130,6 @@ void swiglu_backward(ThreadPool& pool, const float* dh, const float* gu, int64_t
     }
   });
 }
-
-namespace {
-
-uint64_t mix64(uint64_t z) {  // splitmix64's finalizer
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-}  // namespace
 
 bool dropout_keep(uint64_t key, int64_t i, float p) {
   const uint64_t threshold = (uint64_t)((double)p * 16777216.0);  // p in units of 2^-24
