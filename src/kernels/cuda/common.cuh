@@ -51,6 +51,11 @@ __device__ __forceinline__ int warp_sum_int(int v) {
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
+// L2 prefetch of n bytes (16-byte aligned, a multiple of 16) with one instruction and no registers held.
+__device__ __forceinline__ void prefetch_l2(const void* a, uint32_t n) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(n) : "memory");
+}
+
 // Whether this launch gets the attribute: inside a PdlScope (graph capture) or with MERLIN_CUDA_EAGER_PDL=1
 // (cuda_api.h says why not otherwise); MERLIN_CUDA_PDL=0 turns it off everywhere (for A/B timing).
 bool pdl_enabled();

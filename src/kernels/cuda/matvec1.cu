@@ -385,6 +385,14 @@ __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
   if (n_items > 0) load_round<F, X>(p, tile_of(cur), chunk_of(cur), nc_of(cur), lane, ra);
   const RopeTarget at = p.rope_on ? rope_target(p.rope) : RopeTarget{};
   float nw = Norm && n_items > 0 ? norm_weight<W>(p, bx) : 0.0f;  // the first group's, like its first round
+  // L2 prefetch (lane 0) of the items after the first, which are loaded into registers only one ahead.
+  if (p.l2_items > 0 && lane == 0) {
+    Cursor c = cur;
+    for (int i = 1; i < n_items && i <= p.l2_items; ++i) {
+      advance(p, c);
+      prefetch_round<F>(p, tile_of(c), chunk_of(c), nc_of(c));
+    }
+  }
   pdl_trigger();
   pdl_wait();
   bool early = !Glu && p.accumulate && p.resid_early && n_items > 0;
@@ -513,6 +521,21 @@ bool exact_off() {
   return off;
 }
 
+// MERLIN_CUDA_MV1_L2=N (read once, default 2): rounds after the first that each warp of a single-token
+// product prefetches into L2 before pdl_wait (prefetch_round); 0 turns it off. Measured on the H200 (tg128,
+// 2026-11-30): 2 gains 2 % on macbook q4_0 and 2.4 % on iphone q4_0 (base: within noise), 1 a little less, 4
+// nothing, 8 and 16 lose 4-9 %; prefetching a fixed 2-4 items ahead inside the loop instead lost 7-12 %
+// (one bulk request per round or per-lane prefetch instructions alike). docs/GPU.md, "L2 prefetch".
+int l2_items(const Matrix& w) {
+  static const int n = [] {
+    const char* v = std::getenv("MERLIN_CUDA_MV1_L2");
+    return v && *v ? std::clamp(std::atoi(v), 0, 64) : 2;
+  }();
+  // The bulk prefetch needs 16-byte aligned addresses; weights and scales are allocated so, but check.
+  const bool aligned = reinterpret_cast<uintptr_t>(w.q) % 16 == 0 && reinterpret_cast<uintptr_t>(w.s) % 16 == 0;
+  return aligned ? n : 0;
+}
+
 // Warps per tile S = 2^lsplit: the one that minimizes the busiest CTA's work, (tile groups per CTA) x
 // (rounds per warp and tile); ties go to the smaller S (fewer reductions and barriers). The Glu variant's
 // groups cover tpg / 2 output tiles (and as many up tiles), and S <= 2; the Norm variant's CTAs have 16
@@ -583,6 +606,7 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
     p.norm_part = e.norm_part;
   }
   p.argmax = e.argmax;
+  p.l2_items = l2_items(w);
   const int epi = e.glu_out ? kEpiGlu : e.norm_out ? kEpiNorm : e.argmax ? kEpiArgmax : kEpiPlain;
   const int mb = epi == kEpiNorm ? 1 : epi != kEpiPlain || mv1_mode() < 2 ? min_blocks(F) : mv1_mode();
   const bool exact = mb != 3 && exact_rounds(F, geo) && !exact_off();

@@ -48,6 +48,7 @@ struct Mv1Args {
   int64_t glu_offset;
   int64_t glu_scratch;     // byte offset of its Q8_0 row (k codes, k / 32 scales) in the dynamic shared memory
   unsigned long long* argmax;  // Argmax variant: the largest row's key (argmax_key), raised with atomicMax
+  int l2_items;      // items after the first whose weights and scales a warp prefetches into L2 before pdl_wait
 };
 
 // Epilogues of the kernel: plain rows, SwiGLU of stacked gate/up rows, or plain rows plus the next RMSNorm's
@@ -125,6 +126,28 @@ __device__ __forceinline__ void load_round(const Mv1Args& p, int tile, int c0, i
     const uint4* hp = reinterpret_cast<const uint4*>(p.s) + ((int64_t)tile * p.n_super + step0 / 8) * 16;
     r.h[0] = __ldg(hp + g);
     r.h[1] = __ldg(hp + g + 8);
+  }
+}
+
+// Requests into L2 what load_round(tile, c0, nc) will read: the round's chunks (contiguous, 512 bytes each)
+// and its scales (contiguous per round in every layout). One lane per warp calls it, before pdl_wait, for
+// the rounds after the first: the weight stream then keeps DRAM busy through the previous kernel's tail and
+// this kernel's staging, when the register-held first round is all a warp would otherwise have in flight.
+template <int F>
+__device__ __forceinline__ void prefetch_round(const Mv1Args& p, int tile, int c0, int nc) {
+  if (c0 >= nc) return;
+  prefetch_l2(p.q + ((int64_t)tile * p.n_chunks + c0) * 512, (uint32_t)min(kRound, nc - c0) * 512u);
+  const int step0 = c0 * steps_per_chunk(F);
+  if constexpr (F == kQ4_0) {
+    prefetch_l2(p.s + grouped_scale_index(tile, p.n_steps, step0, 0) * 2, 256u);
+  } else if constexpr (F == kMXFP4) {
+    prefetch_l2(p.s + grouped_scale_index(tile, p.n_steps, step0, 0), 128u);
+  } else if constexpr (F == kQ8_0) {
+    prefetch_l2(p.s + ((int64_t)tile * p.n_steps + step0) * 32, (uint32_t)min(kRound, p.n_steps - step0) * 32u);
+  } else if constexpr (F == kTQ2) {
+    prefetch_l2(p.s + ((int64_t)tile * p.n_super + step0 / 8) * 32, (uint32_t)min(2, p.n_super - step0 / 8) * 32u);
+  } else {  // Q4_K
+    prefetch_l2(p.s + ((int64_t)tile * p.n_super + step0 / 8) * 256, 256u);
   }
 }
 
