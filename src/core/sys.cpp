@@ -50,4 +50,9 @@ bool env_is(const char* name, const char* value) {
   return e != nullptr && std::strcmp(e, value) == 0;
 }
 
+long env_int(const char* name, long dflt) {
+  const char* e = std::getenv(name);
+  return e != nullptr ? std::atol(e) : dflt;
+}
+
 }  // namespace merlin

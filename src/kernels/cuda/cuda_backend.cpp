@@ -59,10 +59,10 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   glu_stage_ = !env_is("MERLIN_CUDA_GLU_STAGE", "0");
   embed_fuse_ = !env_is("MERLIN_CUDA_EMBED_FUSE", "0");
   norm_fold_ = !env_is("MERLIN_CUDA_NORM_FOLD", "0") && c_.dim % 32 == 0;
-  if (const char* f = std::getenv("MERLIN_CUDA_NORM_FOLD_MM")) norm_fold_mm_ = std::clamp(std::atoi(f), 0, kGraphMaxTokens);
+  norm_fold_mm_ = (int)std::clamp(env_int("MERLIN_CUDA_NORM_FOLD_MM", norm_fold_mm_), 0L, (long)kGraphMaxTokens);
   split_attention_ = !env_is("MERLIN_CUDA_SPLITK", "0");
   twice_ = parse_stages(std::getenv("MERLIN_CUDA_TWICE"));
-  if (const char* v = std::getenv("MERLIN_CUDA_CHAIN")) chain_max_ = std::clamp(std::atoi(v), 0, cuda::kChainMax);
+  chain_max_ = (int)std::clamp(env_int("MERLIN_CUDA_CHAIN", chain_max_), 0L, (long)cuda::kChainMax);
   if (const char* v = std::getenv("MERLIN_CUDA_LOOP_UNROLL")) {
     loop_unroll_ = std::atoi(v);
     MERLIN_CHECK(loop_unroll_ == 2 || loop_unroll_ == 4 || loop_unroll_ == 8 || loop_unroll_ == 16,
@@ -74,13 +74,11 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   }
   // Prefill products: from 64 tokens on, dequantizing to halves and cuBLAS beat the batched tensor-core kernel,
   // which reads each weight once per 32 tokens (docs/GPU.md). MERLIN_CUDA_GEMM_MIN=0 keeps every step on it.
-  gemm_min_ = 64;
-  if (const char* g = std::getenv("MERLIN_CUDA_GEMM_MIN")) gemm_min_ = std::atoi(g);
+  gemm_min_ = (int)env_int("MERLIN_CUDA_GEMM_MIN", 64);
   if (gemm_min_ > 0 && gemm_min_ <= max_batch_ && cuda::gemm_available()) gemm_ = std::make_unique<cuda::GemmRunner>();
   else gemm_min_ = 0;
   // Tiled attention for eager steps only (graph-captured decode steps keep the per-token kernel).
-  flash_min_ = 64;
-  if (const char* f = std::getenv("MERLIN_CUDA_FLASH_MIN")) flash_min_ = std::atoi(f);
+  flash_min_ = (int)env_int("MERLIN_CUDA_FLASH_MIN", 64);
   if (flash_min_ > 0) flash_min_ = std::max(flash_min_, kGraphMaxTokens + 1);
   MERLIN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
 

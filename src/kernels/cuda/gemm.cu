@@ -15,6 +15,7 @@
 #include <mutex>
 #include <string>
 
+#include "core/sys.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_api.h"
 #include "kernels/cuda/fragment.cuh"
@@ -157,8 +158,7 @@ bool gemm_fmt(int f) { return f != kF32; }
 
 size_t chunk_bytes_limit() {
   static const size_t bytes = [] {
-    const char* v = std::getenv("MERLIN_CUDA_GEMM_CHUNK_MB");
-    const long mb = v ? std::atol(v) : 256;
+    const long mb = env_int("MERLIN_CUDA_GEMM_CHUNK_MB", 256);
     return (size_t)std::max(1L, mb) << 20;
   }();
   return bytes;

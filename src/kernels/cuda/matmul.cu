@@ -683,10 +683,7 @@ void launch_nt(MmArgs p, Stream stream, int64_t tiles) {
 // results are bit-identical.
 // MERLIN_CUDA_SMALL_SPLIT=N moves the bound to N tiles per SM (0: off).
 int64_t small_split_tiles() {
-  static const int64_t per_sm = [] {
-    const char* v = std::getenv("MERLIN_CUDA_SMALL_SPLIT");
-    return v ? (int64_t)std::atoi(v) : 1;
-  }();
+  static const int64_t per_sm = env_int("MERLIN_CUDA_SMALL_SPLIT", 1);
   return per_sm * g_sm_count;
 }
 

@@ -527,10 +527,7 @@ bool exact_off() {
 // nothing, 8 and 16 lose 4-9 %; prefetching a fixed 2-4 items ahead inside the loop instead lost 7-12 %
 // (one bulk request per round or per-lane prefetch instructions alike). docs/GPU.md, "L2 prefetch".
 int l2_items(const Matrix& w) {
-  static const int n = [] {
-    const char* v = std::getenv("MERLIN_CUDA_MV1_L2");
-    return v && *v ? std::clamp(std::atoi(v), 0, 64) : 2;
-  }();
+  static const int n = (int)std::clamp(env_int("MERLIN_CUDA_MV1_L2", 2), 0L, 64L);
   // The bulk prefetch needs 16-byte aligned addresses; weights and scales are allocated so, but check.
   const bool aligned = reinterpret_cast<uintptr_t>(w.q) % 16 == 0 && reinterpret_cast<uintptr_t>(w.s) % 16 == 0;
   return aligned ? n : 0;
@@ -756,7 +753,7 @@ bool matvec1_glu_fits(const Matrix& w) {
 void init_matvec1_kernels() {
   // MERLIN_CUDA_MV1_SPLIT=L (A/B timing): log2 of the warps per tile for every single-token product (clamped to
   // what each epilogue allows), as set_matvec1_split does for the tests.
-  if (const char* v = std::getenv("MERLIN_CUDA_MV1_SPLIT")) g_split_override = std::atoi(v);
+  g_split_override = (int)env_int("MERLIN_CUDA_MV1_SPLIT", g_split_override);
   int dev = 0;
   MERLIN_CUDA_CHECK(cudaGetDevice(&dev));
   prepare<kQ8_0>();
