@@ -63,11 +63,9 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   split_attention_ = !env_is("MERLIN_CUDA_SPLITK", "0");
   twice_ = parse_stages(std::getenv("MERLIN_CUDA_TWICE"));
   chain_max_ = (int)std::clamp(env_int("MERLIN_CUDA_CHAIN", chain_max_), 0L, (long)cuda::kChainMax);
-  if (const char* v = std::getenv("MERLIN_CUDA_LOOP_UNROLL")) {
-    loop_unroll_ = std::atoi(v);
-    MERLIN_CHECK(loop_unroll_ == 2 || loop_unroll_ == 4 || loop_unroll_ == 8 || loop_unroll_ == 16,
-                 "MERLIN_CUDA_LOOP_UNROLL: 2, 4, 8 or 16");
-  }
+  loop_unroll_ = (int)env_int("MERLIN_CUDA_LOOP_UNROLL", loop_unroll_);
+  MERLIN_CHECK(loop_unroll_ == 2 || loop_unroll_ == 4 || loop_unroll_ == 8 || loop_unroll_ == 16,
+               "MERLIN_CUDA_LOOP_UNROLL: 2, 4, 8 or 16");
   if (env_is("MERLIN_CUDA_STEP_TIMING", "1")) {
     MERLIN_CUDA_CHECK(cudaEventCreate(&timing_.start));
     MERLIN_CUDA_CHECK(cudaEventCreate(&timing_.end));
