@@ -146,60 +146,63 @@ TEST(CudaMatvec1, SwiGluEpilogueMatchesSeparateKernel) {
 
 // One token through a product that adds to the residual row (Wo, down) with the next RMSNorm's input written
 // in its epilogue (matvec1_norm), against the same product followed by prep_act(RmsNorm), for each producer
-// format and every split the epilogue allows (S = 2, 4, 8 warps per tile), on base-, macbook-shaped and a partial-group
-// shape. The residual rows are bit-identical (same split, same sums). The folded row holds the codes of
+// format and every split the epilogue allows (S = 2, 4, 8 warps per tile; at 8 the two CTAs of a cluster emit a block
+// together), on base-, macbook-shaped and partial-group shapes (an odd tile count with fewer rows written than the
+// matrix has, and 512 tiles: several pairs per cluster). The residual rows are bit-identical (same split, same sums). The folded row holds the codes of
 // y * w with a block scale lacking 1 / rms(y): after the reader's correction (scale * 1 / rms, rounded to
 // half) the block scales must equal prep_act's (but for one just at a rounding boundary) and the codes may differ only at a rounding tie (by 1, in at
 // most 1 of 1,000 elements); a reader of each Q8_0-input format must then agree with the separate path to
 // 1e-3 of its largest output (a flipped code moves one element by 1/127 of its block's largest value).
 TEST(CudaMatvec1, NormEpilogueMatchesSeparateKernel) {
   REQUIRE_GPU();
-  struct Shape { int64_t n, k; };
+  struct Shape { int64_t n, k, out; };  // out: the rows written (a multiple of 32, at most n)
   const float eps = 1e-5f;
   for (DType t : {DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::Q4_K, DType::TQ2_0})
-  for (const Shape s : {Shape{768, 768}, Shape{768, 2048}, Shape{4096, 4096}, Shape{96, 256}}) {
+  for (const Shape s : {Shape{768, 768, 768}, Shape{768, 2048, 768}, Shape{4096, 4096, 4096}, Shape{96, 256, 96},
+                        Shape{80, 256, 64}, Shape{8192, 256, 8192}}) {
     const std::vector<uint8_t> w = random_matrix(t, s.n, s.k, 41);
     cu::Matrix m = upload_one(t, w, s.n, s.k);
-    ASSERT_TRUE(cu::norm_fold_fits(m, s.n));
+    const int64_t o = s.out;
+    ASSERT_TRUE(cu::norm_fold_fits(m, o));
     cu::ActBuf a = plain_rows(m, s.k, 1, 42);
-    const std::vector<float> y0 = gaussian((size_t)s.n, 43, 3.0f);
-    DevFloats dnw(norm_weights(s.n, 44));
-    double* part = static_cast<double*>(cu::dev_alloc((size_t)s.n / 32 * sizeof(double)));
+    const std::vector<float> y0 = gaussian((size_t)o, 43, 3.0f);
+    DevFloats dnw(norm_weights(o, 44));
+    double* part = static_cast<double*>(cu::dev_alloc((size_t)o / 32 * sizeof(double)));
     for (int ls : {1, 2, 3}) {
-      SCOPED_TRACE(std::string(dtype_name(t)) + " n " + std::to_string(s.n) + " k " + std::to_string(s.k) +
+      SCOPED_TRACE(std::string(dtype_name(t)) + " n " + std::to_string(s.n) + " out " + std::to_string(o) + " k " + std::to_string(s.k) +
                    " lsplit " + std::to_string(ls));
       cu::set_matvec1_split(ls);
       DevFloats want_y(y0), got_y(y0);
       // got has room for 2 rows, so that the 2-token read below fails on the deferred norm, not the row count.
-      cu::ActBuf want = cu::act_alloc(cu::ActKind::Q8_0, s.n, 1), got = cu::act_alloc(cu::ActKind::Q8_0, s.n, 2);
-      cu::matmul(m, a, 1, want_y.p, s.n, s.n, true, nullptr);
-      const cu::PrepArgs norm{cu::Prep::RmsNorm, want_y.p, s.n, dnw.p, eps, 0, nullptr};
+      cu::ActBuf want = cu::act_alloc(cu::ActKind::Q8_0, o, 1), got = cu::act_alloc(cu::ActKind::Q8_0, o, 2);
+      cu::matmul(m, a, 1, want_y.p, o, o, true, nullptr);
+      const cu::PrepArgs norm{cu::Prep::RmsNorm, want_y.p, o, dnw.p, eps, 0, nullptr};
       cu::prep_act(norm, 1, want, nullptr);
-      ASSERT_TRUE(cu::matvec1_norm(m, a, got_y.p, s.n, true, dnw.p, got, part, nullptr));
+      ASSERT_TRUE(cu::matvec1_norm(m, a, got_y.p, o, true, dnw.p, got, part, nullptr));
       cu::sync_device();
       cu::set_matvec1_split(-1);
-      const std::vector<float> yw = test::download(want_y.p, (size_t)s.n), yg = test::download(got_y.p, (size_t)s.n);
+      const std::vector<float> yw = test::download(want_y.p, (size_t)o), yg = test::download(got_y.p, (size_t)o);
       EXPECT_EQ(std::memcmp(yw.data(), yg.data(), yw.size() * sizeof(float)), 0) << "residual rows";
 
       // The folded row on the host: the reader's scale correction, then codes and scales against prep_act's.
-      const std::vector<double> ss = test::download(part, (size_t)s.n / 32);
+      const std::vector<double> ss = test::download(part, (size_t)o / 32);
       double sum = 0, host = 0;
       for (double v : ss) sum += v;
       for (float v : yw) host += (double)v * v;
       EXPECT_NEAR(sum, host, 1e-12 * host);
-      const float inv_rms = 1.0f / std::sqrt((float)(sum / (double)s.n) + eps);
-      const std::vector<float> ws = test::download(want.scale, (size_t)s.n / 32), gs = test::download(got.scale, (size_t)s.n / 32);
+      const float inv_rms = 1.0f / std::sqrt((float)(sum / (double)o) + eps);
+      const std::vector<float> ws = test::download(want.scale, (size_t)o / 32), gs = test::download(got.scale, (size_t)o / 32);
       int scale_diff = 0;
       for (size_t b = 0; b < ws.size(); ++b) scale_diff += half_round(gs[b] * inv_rms) != ws[b];
       EXPECT_LE(scale_diff, 1);  // a scale within an ulp of a half rounding boundary
-      const std::vector<int8_t> wq = test::download(want.q, (size_t)s.n), gq = test::download(got.q, (size_t)s.n);
+      const std::vector<int8_t> wq = test::download(want.q, (size_t)o), gq = test::download(got.q, (size_t)o);
       int code_diff = 0, worst = 0;
       for (size_t i = 0; i < wq.size(); ++i) {
         code_diff += wq[i] != gq[i];
         worst = std::max(worst, std::abs(wq[i] - gq[i]));
       }
       EXPECT_LE(worst, 1);
-      EXPECT_LE(code_diff, (int)(s.n / 1000));
+      EXPECT_LE(code_diff, (int)(o / 1000));
 
       // Readers of the folded row against readers of prep_act's.
       cu::ActBuf folded = got;
@@ -208,8 +211,8 @@ TEST(CudaMatvec1, NormEpilogueMatchesSeparateKernel) {
       folded.rms_rows = 1;
       for (DType rt : {DType::Q8_0, DType::Q4_0, DType::MXFP4}) {
         const int64_t rows = 272;
-        const std::vector<uint8_t> rw = random_matrix(rt, rows, s.n, 45);
-        cu::Matrix r = upload_one(rt, rw, rows, s.n);
+        const std::vector<uint8_t> rw = random_matrix(rt, rows, o, 45);
+        cu::Matrix r = upload_one(rt, rw, rows, o);
         const std::vector<float> hw = reader_out(r, want, 1), hg = reader_out(r, folded, 1);
         const float diff = max_diff(hw, hg);
         EXPECT_GT(max_abs(hw), 0.0f);

@@ -144,11 +144,18 @@ bool CudaBackend::run_residual(const Linear& l, const cuda::PrepArgs& p, int n, 
 
 // One-token steps whose SwiGLU did not go into the gate/up product: the down product computes it while it
 // stages its input (ActBuf::glu_src, matvec1_glu_fits), so no SwiGLU kernel runs. Null where it does not
-// apply (then prep_act runs it).
+// apply (then prep_act runs it). Every CTA of the down product repeats that work, 8 bytes of gate/up values
+// per element: it pays for short rows, not for long ones. Measured on the H200 (tg128, 2026-11-30, two runs
+// each, staged / separate kernel): base (ffn 2,048) q4_0 4,532-4,584 / 4,401-4,410 t/s (twelfth session);
+// iphone (ffn 12,288) q4_0 1,058-1,059 / 1,165-1,166, q8_0 761-762 / 820, mxfp4 847 / 917 (seventeenth;
+// two or three times as many blocks in flight per warp in the staging did not close the gap: 1,066 / 1,057).
+constexpr int64_t kGluStageMaxK = 4096;
+
 const ActBuf* CudaBackend::glu_input(const Linear& down, int n, int64_t ffn_off) {
-  if (n != 1 || !glu_stage_ || down.mats.size() != 1 || use_gemm(down, n)) return nullptr;
+  if (n != 1 || glu_stage_ == 0 || down.mats.size() != 1 || use_gemm(down, n)) return nullptr;
   const Matrix& m = down.mats[0];
   if (m.act() != ActKind::Q8_0 || m.k != c_.ffn_dim || !cuda::matvec1_glu_fits(m)) return nullptr;
+  if (glu_stage_ == 2 && m.k > kGluStageMaxK) return nullptr;
   glu_in_ = act(m.act(), m.k);
   glu_in_.glu_src = gu_;
   glu_in_.glu_offset = ffn_off;
