@@ -146,9 +146,9 @@ TEST(CudaMatvec1, SwiGluEpilogueMatchesSeparateKernel) {
 
 // One token through a product that adds to the residual row (Wo, down) with the next RMSNorm's input written
 // in its epilogue (matvec1_norm), against the same product followed by prep_act(RmsNorm), for each producer
-// format and every split the epilogue allows (S = 2, 4, 8 warps per tile; at 8 the two CTAs of a cluster emit a block
-// together), on base-, macbook-shaped and partial-group shapes (an odd tile count with fewer rows written than the
-// matrix has, and 512 tiles: several pairs per cluster). The residual rows are bit-identical (same split, same sums). The folded row holds the codes of
+// format and every split the epilogue allows (S = 2, 4, 8 warps per tile), on base- and macbook-shaped matrices and
+// partial-group shapes (96 rows; an odd tile count with fewer rows written than the matrix has; 512 tiles, so
+// several groups per CTA). The residual rows are bit-identical (same split, same sums). The folded row holds the codes of
 // y * w with a block scale lacking 1 / rms(y): after the reader's correction (scale * 1 / rms, rounded to
 // half) the block scales must equal prep_act's (but for one just at a rounding boundary) and the codes may differ only at a rounding tie (by 1, in at
 // most 1 of 1,000 elements); a reader of each Q8_0-input format must then agree with the separate path to
@@ -169,8 +169,8 @@ TEST(CudaMatvec1, NormEpilogueMatchesSeparateKernel) {
     DevFloats dnw(norm_weights(o, 44));
     double* part = static_cast<double*>(cu::dev_alloc((size_t)o / 32 * sizeof(double)));
     for (int ls : {1, 2, 3}) {
-      SCOPED_TRACE(std::string(dtype_name(t)) + " n " + std::to_string(s.n) + " out " + std::to_string(o) + " k " + std::to_string(s.k) +
-                   " lsplit " + std::to_string(ls));
+      SCOPED_TRACE(std::string(dtype_name(t)) + " n " + std::to_string(s.n) + " out " + std::to_string(o) + " k " +
+                   std::to_string(s.k) + " lsplit " + std::to_string(ls));
       cu::set_matvec1_split(ls);
       DevFloats want_y(y0), got_y(y0);
       // got has room for 2 rows, so that the 2-token read below fails on the deferred norm, not the row count.
