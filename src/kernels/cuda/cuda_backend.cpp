@@ -56,7 +56,9 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   attn_emits_ = !env_is("MERLIN_CUDA_ATTN_EMIT", "0");
   rope_fuse_ = !env_is("MERLIN_CUDA_ROPE_FUSE", "0") && !kv_q8_;  // Q8_0 cache blocks are quantized by rope_kv
   glu_fuse_ = !env_is("MERLIN_CUDA_GLU_FUSE", "0");
-  glu_stage_ = env_is("MERLIN_CUDA_GLU_STAGE", "0") ? 0 : env_is("MERLIN_CUDA_GLU_STAGE", "1") ? 1 : 2;
+  glu_stage_ = env_is("MERLIN_CUDA_GLU_STAGE", "0")   ? GluStage::Never
+               : env_is("MERLIN_CUDA_GLU_STAGE", "1") ? GluStage::AnyRow
+                                                      : GluStage::ShortRows;
   embed_fuse_ = !env_is("MERLIN_CUDA_EMBED_FUSE", "0");
   norm_fold_ = !env_is("MERLIN_CUDA_NORM_FOLD", "0") && c_.dim % 32 == 0;
   norm_fold_mm_ = (int)std::clamp(env_int("MERLIN_CUDA_NORM_FOLD_MM", norm_fold_mm_), 0L, (long)kGraphMaxTokens);

@@ -211,9 +211,10 @@ class CudaBackend final : public Backend {
   bool rope_fuse_ = true;   // MERLIN_CUDA_ROPE_FUSE=0: one-token steps run rope_kv as its own kernel
   bool glu_fuse_ = true;    // MERLIN_CUDA_GLU_FUSE=0: one-token steps run SwiGLU as its own kernel
   // Where the gate/up product does not write SwiGLU (glu_fuse_), the down product computes it while it stages
-  // its input (glu_input) for rows of at most kGluStageMaxK (2), for any row (MERLIN_CUDA_GLU_STAGE=1: 1), or
-  // never (=0: 0); otherwise a prep_act kernel does.
-  int glu_stage_ = 2;
+  // its input (glu_input) for rows of at most kGluStageMaxK (default), for any row (MERLIN_CUDA_GLU_STAGE=1),
+  // or never (=0); otherwise a prep_act kernel does.
+  enum class GluStage { Never, AnyRow, ShortRows };
+  GluStage glu_stage_ = GluStage::ShortRows;
   bool embed_fuse_ = true;  // MERLIN_CUDA_EMBED_FUSE=0: the embedding lookup runs as its own kernel
   ActBuf glu_in_;  // glu_input's buffer view
   bool norm_fold_ = true;   // MERLIN_CUDA_NORM_FOLD=0: every RMSNorm runs as its own kernel

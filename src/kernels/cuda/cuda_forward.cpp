@@ -152,10 +152,10 @@ bool CudaBackend::run_residual(const Linear& l, const cuda::PrepArgs& p, int n, 
 constexpr int64_t kGluStageMaxK = 4096;
 
 const ActBuf* CudaBackend::glu_input(const Linear& down, int n, int64_t ffn_off) {
-  if (n != 1 || glu_stage_ == 0 || down.mats.size() != 1 || use_gemm(down, n)) return nullptr;
+  if (n != 1 || glu_stage_ == GluStage::Never || down.mats.size() != 1 || use_gemm(down, n)) return nullptr;
   const Matrix& m = down.mats[0];
   if (m.act() != ActKind::Q8_0 || m.k != c_.ffn_dim || !cuda::matvec1_glu_fits(m)) return nullptr;
-  if (glu_stage_ == 2 && m.k > kGluStageMaxK) return nullptr;
+  if (glu_stage_ == GluStage::ShortRows && m.k > kGluStageMaxK) return nullptr;
   glu_in_ = act(m.act(), m.k);
   glu_in_.glu_src = gu_;
   glu_in_.glu_offset = ffn_off;
