@@ -194,6 +194,22 @@ TEST(CudaFlashAttention, MatchesPerTokenKernel) {
   }
 }
 
+// A decode-sized grid (a few tokens) runs the hoisted instance, whose F16 cache takes contexts of up to twice
+// pos_unroll positions per lane group in one pass (128 positions for 128-dim heads, 256 for 64-dim ones),
+// and longer ones through the general passes: both within the same bound of the tiled kernel.
+TEST(CudaFlashAttention, MatchesDecodeOnePass) {
+  REQUIRE_GPU();
+  const std::vector<Token> decode = {{0, 70}, {1, 127}, {2, 200}, {0, 255}};
+  for (int hd : {64, 128}) {
+    for (auto [nh, nkv] : {std::pair{4, 4}, std::pair{8, 2}}) {
+      SCOPED_TRACE("head size " + std::to_string(hd) + " heads " + std::to_string(nh) + "/" + std::to_string(nkv));
+      const float rel = compare_kernels(hd, nh, nkv, decode, (uint32_t)(hd * 7 + nh));
+      std::printf("[ decode ] head %3d, %d/%d heads: max |flash - per-token| = %.3g of max |out|\n", hd, nh, nkv, rel);
+      EXPECT_LE(rel, 3e-3f);
+    }
+  }
+}
+
 // ---- split-K attention (AttnScratch) against the unsplit kernel ----
 
 namespace {

@@ -246,8 +246,8 @@ __device__ __forceinline__ void unpack8(const uint4 (&raw)[KV == kKvF32 ? 2 : 1]
   }
 }
 
-template <int KV, bool Hoist>
-__device__ __forceinline__ float score_pass(const KvArgs& kv, const Rows& r, const FirstSlots<pos_unroll<KV>()>& fs,
+template <int KV, bool Hoist, int N>
+__device__ __forceinline__ float score_pass(const KvArgs& kv, const Rows& r, const FirstSlots<N>& fs,
                                             const float (&qr)[8],
                                             float scale, int p0, int p1, float* scores, FirstValues<KV>& fv) {
   float mx = -INFINITY;
@@ -326,9 +326,10 @@ __device__ __forceinline__ float exp_weights(float* scores, int n, float mx, flo
 
 // Pass 2: each lane's sums of weights[p - p0] * V over positions p0 .. p1 - 1 (same grouping as pass 1),
 // left in part[threadIdx.x][8] for group_total.
-template <int KV, bool Hoist>
-__device__ __forceinline__ void value_pass(const KvArgs& kv, const Rows& r, const FirstSlots<pos_unroll<KV>()>& fs,
-                                           const FirstValues<KV>& fv, const float* weights, int p0, int p1, float* part) {
+template <int KV, bool Hoist, int N>
+__device__ __forceinline__ void value_pass(const KvArgs& kv, const Rows& r, const FirstSlots<N>& fs,
+                                           const FirstValues<KV>& fv, const float* weights, int p0, int p1,
+                                           float* part) {
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   if (r.active) {
     for (int base = p0; base < p1; base += r.n_groups * pos_unroll<KV>()) {
@@ -389,13 +390,24 @@ __device__ __forceinline__ float group_total(const float* part, const Rows& r, i
 template <int KV>
 __device__ __forceinline__ bool fits_one_pass(const Rows& r, int n_pos) { return n_pos <= r.n_groups * pos_unroll<KV>(); }
 
+// Positions per group of the widest one-pass attention of an instance, and the cache slots it looks up before
+// pdl_wait: twice pos_unroll for the hoisted F16 instance (decode grids of one wave, whose CTAs are a chain of
+// round trips: 128 positions of a 128-dim head in one pass instead of the general passes' seven barriers;
+// H200 tg128, 2026-11-30: iphone q4_0 +3.6 %, macbook q4_0 +2.8 %), one pass's worth otherwise. It costs the
+// instance 18 registers (105 -> 123, still two CTAs per SM); in the other F16 instances it would cost 50 (75 ->
+// 125: two CTAs per SM instead of three for batched decode). So which pass a context of 65..128 positions
+// (128-dim heads) takes depends on the grid, like the products' kernels do (float rounding apart).
+template <int KV, bool Hoist>
+constexpr int one_pass_slots() { return Hoist && KV == kKvF16 ? 2 * pos_unroll<KV>() : pos_unroll<KV>(); }
+
 // Returns dim threadIdx.x (< hd) of the head's output. red: 2 * kAttnThreads / 32 floats; part: kAttnThreads /
 // 32 * hd floats.
-template <int KV>
-__device__ __forceinline__ float attend_one_pass(const KvArgs& kv, const Rows& r,
-                                                 const FirstSlots<pos_unroll<KV>()>& fs, const float (&qr)[8],
-                                                 float scale, int n_pos, int hd, float* red, float* part) {
-  constexpr int U = pos_unroll<KV>(), W = kAttnThreads / 32, kRaw = KV == kKvF32 ? 2 : 1;
+template <int KV, int U, int N>
+__device__ __forceinline__ float attend_one_pass(const KvArgs& kv, const Rows& r, const FirstSlots<N>& fs,
+                                                 const float (&qr)[8], float scale, int n_pos, int hd, float* red,
+                                                 float* part) {
+  static_assert(U <= N, "one slot per position of the pass");
+  constexpr int W = kAttnThreads / 32, kRaw = KV == kKvF32 ? 2 : 1;
   uint4 kq[U][kRaw], vq[U][kRaw];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
@@ -469,7 +481,26 @@ struct SplitArgs {
   float* partial;  // [token][head][gridDim.z][hd + 2]
   int* counter;    // [token][head]
   int chunk;
+  int l2 = 0;      // 1: prefetch the CTA's K/V rows into L2 before pdl_wait (prefetch_context)
+  int wide = 0;    // 1: contexts of up to one_pass_slots positions per group in one pass (hoisted F16 instance)
 };
+
+// Asks L2 for the head's K and V rows of positions p0 .. p1 - 1 (one bulk prefetch per row and group) before
+// pdl_wait. Positions, block tables and slots are known before the wait; the rows themselves are not read
+// until after it, so a row the previous kernel is still writing (the current position's) is read fresh: a
+// prefetch only moves lines into L2, where every write lands. In decode the older rows were evicted by the
+// step's weight stream, so the loads after the wait find them in L2 instead of going to HBM.
+template <int KV>
+__device__ __forceinline__ void prefetch_context(const KvArgs& kv, const Rows& r, int p0, int p1, int hd) {
+  if (r.gi != 0) return;
+  constexpr int64_t es = KV == kKvF32 ? 4 : KV == kKvF16 ? 2 : 1;
+  const uint32_t n = (uint32_t)(hd * es);
+  for (int p = p0 + r.group; p < p1; p += r.n_groups) {
+    const int64_t off = (kv_slot(kv, r.seq, p) * r.kv_dim + r.head_off) * es;
+    prefetch_l2(static_cast<const char*>(kv.d_k) + off, n);
+    prefetch_l2(static_cast<const char*>(kv.d_v) + off, n);
+  }
+}
 
 // The (token t, head h) pair's partials, split by split.
 __device__ __forceinline__ float* split_partials(const SplitArgs& sp, int t, int h, int n_heads, int hd) {
@@ -553,7 +584,9 @@ __global__ void __launch_bounds__(kAttnThreads) attention_kernel(const float* qk
   if (whole ? split != 0 : p0 >= n_pos) return;
   const int p1 = whole ? n_pos : min(p0 + sp.chunk, n_pos);
   const Rows r = make_rows(seq, h / (n_heads / n_kv_heads), n_kv_heads, hd);
-  const FirstSlots<pos_unroll<KV>()> fs = first_slots<pos_unroll<KV>()>(kv, r, p0, p1);
+  constexpr int kSlots = one_pass_slots<KV, Hoist>();
+  const FirstSlots<kSlots> fs = first_slots<kSlots>(kv, r, p0, p1);
+  if (sp.l2) prefetch_context<KV>(kv, r, p0, p1, hd);
   pdl_wait();
   float qr[8];
   if (r.active) {  // this lane's 8 dims of q, straight from the QKV product's output (16-byte aligned rows)
@@ -566,13 +599,21 @@ __global__ void __launch_bounds__(kAttnThreads) attention_kernel(const float* qk
 #pragma unroll
     for (int j = 0; j < 8; ++j) qr[j] = 0.f;
   }
+  const float scale = 1.0f / sqrtf((float)hd);
   if (whole && fits_one_pass<KV>(r, n_pos)) {
-    const float v = attend_one_pass<KV>(kv, r, fs, qr, 1.0f / sqrtf((float)hd), n_pos, hd, red, part);
+    const float v = attend_one_pass<KV, pos_unroll<KV>()>(kv, r, fs, qr, scale, n_pos, hd, red, part);
     write_out(out + (int64_t)t * n_heads * hd + h * hd, qo, t, h, hd, v);
     return;
   }
+  if constexpr (kSlots > pos_unroll<KV>()) {  // the wider pass of the hoisted F16 instance
+    if (whole && sp.wide && n_pos <= r.n_groups * kSlots) {
+      const float v = attend_one_pass<KV, kSlots>(kv, r, fs, qr, scale, n_pos, hd, red, part);
+      write_out(out + (int64_t)t * n_heads * hd + h * hd, qo, t, h, hd, v);
+      return;
+    }
+  }
   FirstValues<KV> fv;
-  float mx = score_pass<KV, Hoist>(kv, r, fs, qr, 1.0f / sqrtf((float)hd), p0, p1, scores, fv);
+  float mx = score_pass<KV, Hoist>(kv, r, fs, qr, scale, p0, p1, scores, fv);
   mx = block_reduce(mx, red, true);  // also orders the score writes before the reads below
   // A split's partial: [max, sum of exp, V sum of hd]. Max and sum are stored before pass 2 so that they do
   // not hold registers through it.
@@ -691,8 +732,8 @@ void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32
   if (split)
     MERLIN_CHECK(scratch->n_heads == n_heads && scratch->head_dim == head_dim && scratch->n_ctx == n_ctx,
                  "attention scratch sized for another shape");
-  const SplitArgs sp = split ? SplitArgs{scratch->partial, scratch->counter, scratch->chunk}
-                             : SplitArgs{nullptr, nullptr, n_ctx};
+  SplitArgs sp = split ? SplitArgs{scratch->partial, scratch->counter, scratch->chunk}
+                       : SplitArgs{nullptr, nullptr, n_ctx};
   const int n_scores = split ? scratch->chunk : n_ctx;
   const dim3 grid((unsigned)n_heads, (unsigned)n, split ? (unsigned)scratch->n_split : 1u);
   const size_t smem = attention_smem(n_scores, head_dim);
@@ -710,6 +751,16 @@ void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32
   const int kind = kv.q8 ? kKvQ8 : kv.f16 ? kKvF16 : kKvF32;
   const int per_sm = kind == kKvQ8 ? 1 : 2;  // the Q8_0 instance with hoisted rows needs ~190 registers
   const bool hoist = hoist_on && (int64_t)grid.x * grid.y * grid.z <= per_sm * (int64_t)sm_count;
+  // The prefetch needs rows of whole 16-byte units (a Q8_0 row of hd codes: hd % 16 == 0). Only where the grid
+  // fits one wave (decode): a larger grid's later CTAs start after the wait anyway.
+  static const bool l2_on = [] {  // MERLIN_CUDA_ATTN_L2=0: never (for A/B timing)
+    return !env_is("MERLIN_CUDA_ATTN_L2", "0");
+  }();
+  sp.l2 = l2_on && hoist && (kind != kKvQ8 || head_dim % 16 == 0) ? 1 : 0;
+  static const bool wide_on = [] {  // MERLIN_CUDA_ATTN_WIDE=0: the general passes past one pass (A/B timing)
+    return !env_is("MERLIN_CUDA_ATTN_WIDE", "0");
+  }();
+  sp.wide = wide_on ? 1 : 0;
   const auto kernel = kAttentionKernels[kind][split][hoist];
   ActBuf qo;  // kind F32: no second output
   if (out_act) {

@@ -533,21 +533,33 @@ int l2_items(const Matrix& w) {
   return aligned ? n : 0;
 }
 
+// MERLIN_CUDA_MV1_TIE=0 (read once): ties go to the smaller S whatever the warps they keep busy (A/B timing).
+bool tie_by_warps() {
+  static const bool on = !env_is("MERLIN_CUDA_MV1_TIE", "0");
+  return on;
+}
+
 // Warps per tile S = 2^lsplit: the one that minimizes the busiest CTA's work, (tile groups per CTA) x
-// (rounds per warp and tile); ties go to the smaller S (fewer reductions and barriers). The Glu variant's
-// groups cover tpg / 2 output tiles (and as many up tiles), and S <= 2; the Norm variant's CTAs have 16
-// warps and 2 <= S <= 8 (a group is 32 to 128 rows, whole Q8_0 blocks in whole warps of finish_group).
+// (rounds per warp and tile); ties go to the split that keeps more warps streaming at once (iphone's QKV:
+// 144 CTAs at S = 2 or 264 at S = 4, both 6 rounds per warp), then to the smaller S (fewer reductions and
+// barriers). The Glu variant's groups cover tpg / 2 output tiles (and as many up tiles), and S <= 2; the
+// Norm variant's CTAs have 16 warps and 2 <= S <= 8 (a group is 32 to 128 rows, whole Q8_0 blocks in whole
+// warps of finish_group). H200 tg128 (2026-11-30): the busy-warps tie gains iphone q4_0 0.3-0.6 %; base,
+// macbook and the Q8_0 models choose as before.
 void choose_split(Mv1Args& p, int64_t ctas, bool glu, bool norm = false) {
   const int W = norm ? kNormWarps : kWarps, lo = norm ? 1 : 0, hi = glu ? 1 : 3;
   auto per_group = [&](int l) { return glu ? (W >> l) / 2 : W >> l; };
   const int64_t tiles = glu ? p.glu_tiles : p.tiles;
   int ls = lo;
-  int64_t best = INT64_MAX;
+  int64_t best = INT64_MAX, best_busy = 0;
   for (int l = lo; l <= hi; ++l) {
     const int64_t groups = (tiles + per_group(l) - 1) / per_group(l);
     const int64_t rounds = (p.n_chunks + (kRound << l) - 1) / (kRound << l);
     const int64_t cost = (groups + ctas - 1) / ctas * rounds;
-    if (cost < best) best = cost, ls = l;
+    // Warps with chunks to stream at once: resident CTAs x tiles per group x warps per tile that get a round.
+    const int64_t busy = std::min(groups, ctas) * (W >> l) *
+                         std::min<int64_t>(1 << l, (p.n_chunks + kRound - 1) / kRound);
+    if (cost < best || (tie_by_warps() && cost == best && busy > best_busy)) best = cost, best_busy = busy, ls = l;
   }
   if (g_split_override >= 0) ls = std::clamp(g_split_override, lo, hi);
   p.lsplit = ls;
