@@ -9,8 +9,9 @@
 #   scripts/gpu_trace.sh [BIN_DIR] MODEL [BATCH ...]     (default batches: 1 32)
 #
 # BIN_DIR holds merlin and libmerlin_cuda_trace.so (build/lib's); libcupti.so.13 comes from the CUDA toolkit
-# or BIN_DIR/lib. SETTINGS: extra environment for the runs. Decode loops are off (MERLIN_CUDA_CHAIN=0) so that
-# every step is one graph launch, split at its ids' device-to-host copy. Traces: $OUT/trace-x<batch>.csv.
+# or BIN_DIR/lib. SETTINGS: extra environment for the runs; N_GEN: tokens per run (default 64). Decode loops
+# are off (MERLIN_CUDA_CHAIN=0) so that every step is one graph launch, split at its ids' device-to-host copy.
+# Traces: $OUT/trace-x<batch>.csv.
 set -u
 BIN=$(realpath "${1:-build-gpu}")
 MODEL=${2:?usage: gpu_trace.sh BIN_DIR MODEL [BATCH ...]}
@@ -26,7 +27,7 @@ for b in "${@:-1 32}"; do
   for bb in $b; do
     csv="$OUT/trace-x$bb.csv"
     env ${SETTINGS:-} MERLIN_CUDA_CHAIN=0 MERLIN_TRACE="$csv" LD_PRELOAD="$TRACE_LIB" "$BIN/merlin" bench --device cuda \
-      -p 0 -n 64 -r 1 --decode-batches "$bb" -m "$MODEL" 2>&1 | grep -E "cuda_trace|tg64"
+      -p 0 -n "${N_GEN:-64}" -r 1 --decode-batches "$bb" -m "$MODEL" 2>&1 | grep -E "cuda_trace|tg[0-9]"
     echo "== $(basename "$MODEL"), decode batch $bb ${SETTINGS:-}"
     python3 "$(dirname "$0")/../bench/cuda_trace_summary.py" "$csv" --positions
   done
