@@ -485,18 +485,23 @@ struct SplitArgs {
   int wide = 0;    // 1: contexts of up to one_pass_slots positions per group in one pass (hoisted F16 instance)
 };
 
-// Asks L2 for the head's K and V rows of positions p0 .. p1 - 1 (one bulk prefetch per row and group) before
-// pdl_wait. Positions, block tables and slots are known before the wait; the rows themselves are not read
-// until after it, so a row the previous kernel is still writing (the current position's) is read fresh: a
-// prefetch only moves lines into L2, where every write lands. In decode the older rows were evicted by the
-// step's weight stream, so the loads after the wait find them in L2 instead of going to HBM.
-template <int KV>
-__device__ __forceinline__ void prefetch_context(const KvArgs& kv, const Rows& r, int p0, int p1, int hd) {
+// Asks L2 for the head's K and V rows of the positions whose cache slots first_slots looked up (those of a
+// pass's first iteration; one bulk prefetch per row and lane group) before pdl_wait. The rows themselves are
+// not read until after the wait, so a row the previous kernel is still writing (the current position's) is
+// read fresh: a prefetch only moves lines into L2, where every write lands. In decode the older rows were
+// evicted by the step's weight stream, so the loads after the wait find them in L2 instead of going to HBM.
+// Only slots already in registers: a table lookup per position here would put a chain of L2 round trips
+// before the wait, which the kernel's start pays in full.
+template <int KV, int N>
+__device__ __forceinline__ void prefetch_context(const KvArgs& kv, const Rows& r, const FirstSlots<N>& fs, int p0,
+                                                 int p1, int hd) {
   if (r.gi != 0) return;
   constexpr int64_t es = KV == kKvF32 ? 4 : KV == kKvF16 ? 2 : 1;
   const uint32_t n = (uint32_t)(hd * es);
-  for (int p = p0 + r.group; p < p1; p += r.n_groups) {
-    const int64_t off = (kv_slot(kv, r.seq, p) * r.kv_dim + r.head_off) * es;
+#pragma unroll
+  for (int u = 0; u < N; ++u) {
+    if (p0 + u * r.n_groups + r.group >= p1) break;
+    const int64_t off = (fs.s[u] * r.kv_dim + r.head_off) * es;
     prefetch_l2(static_cast<const char*>(kv.d_k) + off, n);
     prefetch_l2(static_cast<const char*>(kv.d_v) + off, n);
   }
@@ -586,7 +591,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_kernel(const float* qk
   const Rows r = make_rows(seq, h / (n_heads / n_kv_heads), n_kv_heads, hd);
   constexpr int kSlots = one_pass_slots<KV, Hoist>();
   const FirstSlots<kSlots> fs = first_slots<kSlots>(kv, r, p0, p1);
-  if (sp.l2) prefetch_context<KV>(kv, r, p0, p1, hd);
+  if (sp.l2) prefetch_context<KV>(kv, r, fs, p0, p1, hd);
   pdl_wait();
   float qr[8];
   if (r.active) {  // this lane's 8 dims of q, straight from the QKV product's output (16-byte aligned rows)
