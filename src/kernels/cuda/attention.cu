@@ -394,7 +394,7 @@ __device__ __forceinline__ bool fits_one_pass(const Rows& r, int n_pos) { return
 // pdl_wait: twice pos_unroll for the hoisted F16 instance (decode grids of one wave, whose CTAs are a chain of
 // round trips: 128 positions of a 128-dim head in one pass instead of the general passes' seven barriers;
 // H200 tg128, 2026-11-30: iphone q4_0 +3.6 %, macbook q4_0 +2.8 %), one pass's worth otherwise. It costs the
-// instance 18 registers (105 -> 123, still two CTAs per SM); in the other F16 instances it would cost 50 (75 ->
+// instance 13 registers (105 -> 118, still two CTAs per SM); in the other F16 instances it would cost 50 (75 ->
 // 125: two CTAs per SM instead of three for batched decode). So which pass a context of 65..128 positions
 // (128-dim heads) takes depends on the grid, like the products' kernels do (float rounding apart).
 template <int KV, bool Hoist>
@@ -476,7 +476,8 @@ __device__ __forceinline__ float attend_one_pass(const KvArgs& kv, const Rows& r
   return out;
 }
 
-// Split-K bookkeeping (AttnScratch's device side); unused by the unsplit instance.
+// Split-K bookkeeping (AttnScratch's device side; partial, counter and chunk are unused by the unsplit
+// instance) and the decode switches every instance reads.
 struct SplitArgs {
   float* partial;  // [token][head][gridDim.z][hd + 2]
   int* counter;    // [token][head]
