@@ -751,21 +751,17 @@ void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32
     MERLIN_CUDA_CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
     return n_sm;
   }();
-  static const bool hoist_on = [] {  // MERLIN_CUDA_ATTN_HOIST=0: never (for A/B timing)
-    return !env_is("MERLIN_CUDA_ATTN_HOIST", "0");
-  }();
+  // A/B switches, read once: MERLIN_CUDA_ATTN_HOIST=0 never hoists, MERLIN_CUDA_ATTN_L2=0 never prefetches,
+  // MERLIN_CUDA_ATTN_WIDE=0 takes the general passes past one pass of pos_unroll positions.
+  static const bool hoist_on = !env_is("MERLIN_CUDA_ATTN_HOIST", "0");
+  static const bool l2_on = !env_is("MERLIN_CUDA_ATTN_L2", "0");
+  static const bool wide_on = !env_is("MERLIN_CUDA_ATTN_WIDE", "0");
   const int kind = kv.q8 ? kKvQ8 : kv.f16 ? kKvF16 : kKvF32;
   const int per_sm = kind == kKvQ8 ? 1 : 2;  // the Q8_0 instance with hoisted rows needs ~190 registers
   const bool hoist = hoist_on && (int64_t)grid.x * grid.y * grid.z <= per_sm * (int64_t)sm_count;
   // The prefetch needs rows of whole 16-byte units (a Q8_0 row of hd codes: hd % 16 == 0). Only where the grid
   // fits one wave (decode): a larger grid's later CTAs start after the wait anyway.
-  static const bool l2_on = [] {  // MERLIN_CUDA_ATTN_L2=0: never (for A/B timing)
-    return !env_is("MERLIN_CUDA_ATTN_L2", "0");
-  }();
   sp.l2 = l2_on && hoist && (kind != kKvQ8 || head_dim % 16 == 0) ? 1 : 0;
-  static const bool wide_on = [] {  // MERLIN_CUDA_ATTN_WIDE=0: the general passes past one pass (A/B timing)
-    return !env_is("MERLIN_CUDA_ATTN_WIDE", "0");
-  }();
   sp.wide = wide_on ? 1 : 0;
   const auto kernel = kAttentionKernels[kind][split][hoist];
   ActBuf qo;  // kind F32: no second output
