@@ -726,7 +726,7 @@ bool attention_emits(ActKind kind, int head_dim) {
 
 void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32_t* d_pos, const int32_t* d_seq,
                int n_heads, int n_kv_heads, int head_dim, int n_ctx, const KvArgs& kv, float* d_out, Stream stream,
-               const AttnScratch* scratch, ActBuf* out_act) {
+               const AttnScratch* scratch, ActBuf* out_act, bool context_l2) {
   if (n <= 0) return;
   (void)k_off;
   MERLIN_CHECK(head_dim % 8 == 0 && head_dim <= 256, "the CUDA attention kernel needs a head size that is a multiple "
@@ -760,8 +760,11 @@ void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32
   const int per_sm = kind == kKvQ8 ? 1 : 2;  // the Q8_0 instance with hoisted rows needs ~190 registers
   const bool hoist = hoist_on && (int64_t)grid.x * grid.y * grid.z <= per_sm * (int64_t)sm_count;
   // The prefetch needs rows of whole 16-byte units (a Q8_0 row of hd codes: hd % 16 == 0). Only where the grid
-  // fits one wave (decode): a larger grid's later CTAs start after the wait anyway.
-  sp.l2 = l2_on && hoist && (kind != kKvQ8 || head_dim % 16 == 0) ? 1 : 0;
+  // fits one wave (decode): a larger grid's later CTAs start after the wait anyway. Not after a QKV product
+  // that prefetched the context itself, which began several microseconds earlier: the slot lookups here
+  // then only delay the wait (H200 tg128, both prefetches / the product's alone: macbook q4_0 743.6 / 746.7 t/s,
+  // iphone q4_0 1,222 / 1,227).
+  sp.l2 = l2_on && hoist && !context_l2 && (kind != kKvQ8 || head_dim % 16 == 0) ? 1 : 0;
   sp.wide = wide_on ? 1 : 0;
   const auto kernel = kAttentionKernels[kind][split][hoist];
   ActBuf qo;  // kind F32: no second output

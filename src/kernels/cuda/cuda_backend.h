@@ -176,9 +176,10 @@ class CudaBackend final : public Backend {
                   bool prepared = false, const ActBuf* in = nullptr);
   ActBuf* attention_output_act(const Linear& wo, int n);
   bool run_gate_up_swiglu(const Layer& L, const cuda::PrepArgs& norm, int64_t ffn_off, const ActBuf* in);
-  void run_qkv(const Layer& L, const cuda::PrepArgs& norm, int n, const int32_t* pos, const int32_t* seq,
+  bool run_qkv(const Layer& L, const cuda::PrepArgs& norm, int n, const int32_t* pos, const int32_t* seq,
                const cuda::KvArgs& kv, const ActBuf* in);
   cuda::RopeKvArgs rope_args(const int32_t* pos, const int32_t* seq, const cuda::KvArgs& kv) const;
+  static int kv_l2_positions(const cuda::KvArgs& kv, int64_t kv_dim);
   bool folds_norm(const Linear& producer, const Linear& reader, int n) const;
   ActBuf folded_input(int n) const;
   bool run_residual(const Linear& l, const cuda::PrepArgs& p, int n, bool prepared, const float* next_norm,

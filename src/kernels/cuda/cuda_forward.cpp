@@ -44,8 +44,9 @@ ActBuf* CudaBackend::attention_output_act(const Linear& wo, int n) {
 }
 
 // QKV product, RoPE and the K/V cache write. Steps that do not go through cuBLAS do the last two in the
-// product's epilogue (matmul_rope_kv: one kernel less per layer, same bits).
-void CudaBackend::run_qkv(const Layer& L, const cuda::PrepArgs& norm, int n, const int32_t* pos, const int32_t* seq,
+// product's epilogue (matmul_rope_kv: one kernel less per layer, same bits). True when the product also asked
+// the context's K/V rows into L2 for the attention kernel.
+bool CudaBackend::run_qkv(const Layer& L, const cuda::PrepArgs& norm, int n, const int32_t* pos, const int32_t* seq,
                           const cuda::KvArgs& kv, const ActBuf* in) {
   const int hd = (int)c_.head_dim();
   const int64_t q_dim = c_.n_heads * hd, kv_dim = c_.kv_dim(), qkv_ld = L.qkv.rows;
@@ -55,7 +56,9 @@ void CudaBackend::run_qkv(const Layer& L, const cuda::PrepArgs& norm, int n, con
     const Matrix& m = L.qkv.mats[0];
     const ActBuf& x = in ? *in : act(m.act(), m.k);
     const cuda::RopeKvArgs r = rope_args(pos, seq, kv);
-    if (queue(stage_, [&] { return cuda::matmul_rope_kv(m, x, n, qkv_, qkv_ld, r, stream_); })) return;
+    bool context_l2 = false;
+    if (queue(stage_, [&] { return cuda::matmul_rope_kv(m, x, n, qkv_, qkv_ld, r, stream_, &context_l2); }))
+      return context_l2;
     queue(stage_, [&] { return cuda::matmul(m, x, n, qkv_, qkv_ld, qkv_ld, false, stream_), true; });
   } else {
     run_linear(L.qkv, norm, n, qkv_, qkv_ld, qkv_ld, false, false, in);
@@ -65,6 +68,7 @@ void CudaBackend::run_qkv(const Layer& L, const cuda::PrepArgs& norm, int n, con
                   (int)c_.rot_dims(), kv, stream_);
     return true;
   });
+  return false;
 }
 
 cuda::RopeKvArgs CudaBackend::rope_args(const int32_t* pos, const int32_t* seq, const cuda::KvArgs& kv) const {
@@ -79,7 +83,17 @@ cuda::RopeKvArgs CudaBackend::rope_args(const int32_t* pos, const int32_t* seq, 
   r.v_off = r.k_off + cuda::padded_rows(r.kv_dim);
   r.n_rot = (int)c_.rot_dims();
   r.kv = kv;
+  r.l2_positions = kv_l2_positions(kv, r.kv_dim);
   return r;
+}
+
+// MERLIN_CUDA_KV_L2_MB=N (read once, default 8; 0 = off): how much of the context's K/V a single-token QKV
+// product asks into L2 for the attention after it (prefetch_kv_context), newest positions first.
+int CudaBackend::kv_l2_positions(const cuda::KvArgs& kv, int64_t kv_dim) {
+  static const long mb = std::clamp(env_int("MERLIN_CUDA_KV_L2_MB", 8), 0L, 40L);
+  const int64_t row = kv_dim * (kv.f16 ? 2 : 4);
+  if (kv.q8 || row % 16 != 0) return 0;  // whole 16-byte units only (Q8_0 rows take rope_kv's path anyway)
+  return (int)std::min<int64_t>(mb * (1 << 20) / (2 * row), 1 << 30);
 }
 
 // One-token steps: the gate/up product writes silu(gate) * up straight into the down product's input
@@ -239,14 +253,14 @@ void CudaBackend::enqueue(int n, int n_out, Output out, const StepIo& io) {
     const cuda::KvArgs kv{L.k, L.v, kv_elem_ == 2, block_size_, max_blocks_, table_, kv_q8_, L.ks, L.vs};
     stage_ = kQkv;
     ActBuf* wo_in = attention_output_act(L.wo, n);  // null for tiled attention
-    run_qkv(L, norm, n, pos, seq, kv, attn_folded ? &folded : nullptr);
+    const bool context_l2 = run_qkv(L, norm, n, pos, seq, kv, attn_folded ? &folded : nullptr);
     queue(kAttn, [&] {
       if (flash_now_)
         cuda::flash_attention(qkv_, qkv_ld, d_tiles_, n_tiles_, (int)c_.n_heads, (int)c_.n_kv_heads, hd, kv, att_,
                               stream_);
       else
         cuda::attention(qkv_, qkv_ld, k_off, n, pos, seq, (int)c_.n_heads, (int)c_.n_kv_heads, hd, n_ctx_, kv, att_,
-                        stream_, split_attention_ && !attn_short_now_ ? &attn_scratch_ : nullptr, wo_in);
+                        stream_, split_attention_ && !attn_short_now_ ? &attn_scratch_ : nullptr, wo_in, context_l2);
       return true;
     });
     cuda::PrepArgs plain{cuda::Prep::Plain, att_, q_dim, nullptr, 0, 0, nullptr};

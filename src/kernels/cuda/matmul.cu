@@ -857,7 +857,8 @@ void matmul_argmax(const Matrix& w, const ActBuf& x, int n, int64_t n_out, unsig
 }
 
 bool matmul_rope_kv(const Matrix& w, const ActBuf& x, int n, float* d_qkv, int64_t ldy, const RopeKvArgs& r,
-                    Stream stream) {
+                    Stream stream, bool* context_l2) {
+  if (context_l2) *context_l2 = false;
   MERLIN_CHECK(x.kind == w.act() && x.k == w.k && n >= 1 && n <= x.n_cap,
                "matmul_rope_kv: activation buffer does not fit");
   MERLIN_CHECK(r.hd % 2 == 0 && r.n_rot <= r.hd && r.q_dim <= r.k_off && r.k_off + r.kv_dim <= r.v_off &&
@@ -866,7 +867,10 @@ bool matmul_rope_kv(const Matrix& w, const ActBuf& x, int n, float* d_qkv, int64
   if (w.fmt == kF32 || r.kv.q8) return false;
   MERLIN_CHECK(!x.rms_part || (n == x.rms_rows && (n == 1 || reads_deferred_norm(w, n))),
                "matmul_rope_kv: this product cannot read a deferred RMSNorm of ", x.rms_rows, " rows as ", n, " tokens");
-  if (n == 1 && matvec1_rope_kv(w, x, d_qkv, r, stream)) return true;
+  if (n == 1 && matvec1_rope_kv(w, x, d_qkv, r, stream)) {
+    if (context_l2) *context_l2 = r.l2_positions > 0;
+    return true;
+  }
   MERLIN_CHECK(!x.glu_src, "matmul_rope_kv: a SwiGLU row (ActBuf::glu_src) is read by single-token products only");
   MmArgs p = product_args(w, x, n, d_qkv, ldy, w.rows, false);
   p.rope_on = 1;

@@ -384,6 +384,7 @@ __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
   Cursor cur{(int)blockIdx.x, 0};
   if (n_items > 0) load_round<F, X>(p, tile_of(cur), chunk_of(cur), nc_of(cur), lane, ra);
   const RopeTarget at = p.rope_on ? rope_target(p.rope) : RopeTarget{};
+  if (p.rope_on && warp == W - 1) prefetch_kv_context(p.rope, lane);
   float nw = Norm && n_items > 0 ? norm_weight<W>(p, bx) : 0.0f;  // the first group's, like its first round
   // L2 prefetch (lane 0) of the items after the first, which are loaded into registers only one ahead.
   if (p.l2_items > 0 && lane == 0) {

@@ -151,6 +151,7 @@ __global__ void __launch_bounds__(kThreads, 2) mv1_half_kernel(HalfArgs p) {
   HalfRound ra{}, rb{};
   if (n_items > 0) load_item(p, group_of(0), 0, lane, ra);
   const RopeTarget at = p.rope_on ? rope_target(p.rope) : RopeTarget{};
+  if (p.rope_on && warp == kWarps - 1) prefetch_kv_context(p.rope, lane);
   pdl_trigger();
   pdl_wait();
   stage_x<BF>(p, xs);

@@ -245,14 +245,16 @@ struct RopeKvArgs {
   int64_t q_dim = 0, kv_dim = 0, k_off = 0, v_off = 0;
   int hd = 0, n_rot = 0;
   KvArgs kv;
+  int l2_positions = 0;  // single-token products: K/V rows of up to this many earlier positions asked into L2
 };
 // y = W x for n tokens (W the stacked QKV matrix, token t's row at d_qkv + t * ldy), then RoPE on Q and K and
 // the K/V cache write, all in the product's epilogue, with the bits matmul() followed by rope_kv() would
 // give: Q rows land in d_qkv (rotated), K and V rows only in the cache. False (nothing queued) for F32
 // weights (the plain kernel has no such epilogue) and a Q8_0 cache (its blocks of 32 are quantized by
-// rope_kv); the caller then runs the two separately.
+// rope_kv); the caller then runs the two separately. *context_l2 (when given) tells whether the product
+// also asked the context's K/V rows into L2 (prefetch_kv_context: one token, r.l2_positions > 0).
 bool matmul_rope_kv(const Matrix& w, const ActBuf& x, int n, float* d_qkv, int64_t ldy, const RopeKvArgs& r,
-                    Stream stream);
+                    Stream stream, bool* context_l2 = nullptr);
 
 // Applies RoPE to q and k of each row of qkv (q at column 0, k at k_off, v at v_off, ld apart) with the
 // host-built cos/sin table ([n_ctx][n_rot/2] pairs), and writes k and v to the cache at (seq[t], pos[t]).
@@ -275,9 +277,11 @@ void attention_scratch_free(AttnScratch& s);
 // out[t][h * hd ..] = softmax(q_h . K^T / sqrt(hd)) V over positions 0..pos[t] of seq[t]. With a scratch of
 // several splits and n <= scratch->max_tokens the positions are split; a token with pos[t] < chunk still gets
 // the unsplit result bit for bit. Without (null, or a larger batch) every (head, token) is one CTA.
+// context_l2: the QKV product already asked the K/V rows into L2 (matmul_rope_kv's *context_l2), so the
+// kernel does not prefetch them itself.
 void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32_t* d_pos, const int32_t* d_seq,
                int n_heads, int n_kv_heads, int head_dim, int n_ctx, const KvArgs& kv, float* d_out, Stream stream,
-               const AttnScratch* scratch = nullptr, ActBuf* out_act = nullptr);
+               const AttnScratch* scratch = nullptr, ActBuf* out_act = nullptr, bool context_l2 = false);
 // Whether attention() can also write its output as the next product's input (out_act, row length
 // n_heads * head_dim, the codes a Plain prep_act would write): Q8_0 blocks (head_dim % 32 == 0), F16, BF16.
 bool attention_emits(ActKind kind, int head_dim);

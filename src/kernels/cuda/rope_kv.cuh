@@ -33,6 +33,25 @@ __device__ __forceinline__ RopeTarget rope_target(const RopeKvArgs& a, int t = 0
   return RopeTarget{kv_slot(a.kv, a.d_seq[t], pos), a.d_cos_sin + (int64_t)pos * a.n_rot};
 }
 
+// Asks L2 for the K and V rows of token 0's latest a.l2_positions positions before its own (one bulk prefetch
+// per row, rows spread over the grid's CTAs and the calling warp's lanes). The attention kernel after the
+// product reads them: in decode the step's weight stream has evicted them from L2 since the last step, and
+// the attention kernel's own prefetch (prefetch_context) starts only when the product's CTAs leave the SMs,
+// a microsecond or two before it needs them, while the product itself runs for several. Hints only: the
+// rows are those of earlier steps (this product writes only the current position's) and the table entries
+// of earlier positions are valid, so the addresses are too. H200 tg128 (2026-11-30, MERLIN_CUDA_KV_L2_MB=0 / 8):
+// macbook q4_0 742.7 / 746.6 t/s, iphone q4_0 1,220.8 / 1,226.5, base unchanged; the attention kernel's charge
+// at contexts 96-127 drops from 5.7 to 4.9 us per layer (macbook), below 32 positions it stays 3.8.
+__device__ __forceinline__ void prefetch_kv_context(const RopeKvArgs& a, int lane) {
+  if (a.l2_positions <= 0) return;
+  const int pos = a.d_pos[0], seq = a.d_seq[0], lo = max(0, pos - a.l2_positions), rows = 2 * (pos - lo);
+  const int64_t es = a.kv.f16 ? 2 : 4;
+  for (int r = (int)blockIdx.x + lane * (int)gridDim.x; r < rows; r += 32 * (int)gridDim.x) {
+    const int64_t off = kv_slot(a.kv, seq, lo + r / 2) * a.kv_dim * es;
+    prefetch_l2(static_cast<const char*>((r & 1) ? a.kv.d_v : a.kv.d_k) + off, (uint32_t)(a.kv_dim * es));
+  }
+}
+
 // Where a QKV product's epilogue sends row r of a token (value v, its RoPE partner r ^ 1 has w): Q rows,
 // rotated, to the qkv buffer; K rows, rotated, and V rows to the cache slot of (seq, pos).
 __device__ __forceinline__ void rope_store(const RopeKvArgs& a, float* y, int64_t r, float v, float w,
