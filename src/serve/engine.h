@@ -56,6 +56,11 @@ struct GenerationRequest {
   // and sampling.top_logprobs alternatives. The prompt is then computed whole (no prefix-cache reuse), and
   // max_tokens may be 0.
   bool prompt_logprobs = false;
+  // Tokens per wake-up of a consumer waiting in next(), at least (0: the engine's choice, every token while
+  // few sequences run). A consumer that only needs the whole answer (a non-streaming request) asks for more:
+  // each wake-up is a context switch on the cores that run the forward pass. The first token, the final
+  // event and any token held for RequestStream's ~100 ms still wake it.
+  int wake_every = 0;
 };
 
 // One request's output. The engine thread pushes, one consumer pops; cancel() may be called from any thread.

@@ -130,6 +130,14 @@ void ChoiceRun::finish(const std::string& reason, ChoiceDelta& delta) {
   output_.finish_reason = reason;
 }
 
+// A streaming client gets every token when it is made. A non-streaming one needs the answer only at the end,
+// unless a stop string or token must be spotted here (the engine sees only EOS): then every 8 tokens, so the
+// engine runs at most 7 tokens past the stop before the cancel reaches it.
+int Generation::wake_every(const CompletionParams& params, const PreparedPrompts& prepared) {
+  if (params.stream) return 0;
+  return prepared.stop_strings.empty() && prepared.stop_tokens.empty() ? kNoWake : 8;
+}
+
 Generation::Generation(Engine& engine, const Tokenizer& tok, const CompletionParams& params, PreparedPrompts prepared,
                        const std::string& request_id)
     : prepared_(std::move(prepared)), n_per_prompt_(params.n) {
@@ -143,6 +151,7 @@ Generation::Generation(Engine& engine, const Tokenizer& tok, const CompletionPar
       req.sampling = params.sampling;
       req.stop_at_eos = prepared_.stop_at_eos;
       req.prompt_logprobs = params.echo && params.logprobs();
+      req.wake_every = wake_every(params, prepared_);
       // Same seed for every choice would give n identical answers; choice i uses seed + i.
       if (req.sampling.seed) req.sampling.seed = *req.sampling.seed + (uint64_t)index;
       std::shared_ptr<RequestStream> stream;

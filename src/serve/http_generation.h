@@ -102,6 +102,10 @@ class Generation {
   double first_token_time() const { return t_first_token_; }
   std::string error() const;  // the first choice error, if any
 
+  // GenerationRequest::wake_every for a request with these parameters.
+  static int wake_every(const CompletionParams& params, const PreparedPrompts& prepared);
+  static constexpr int kNoWake = 1 << 30;  // only the first token, the end and RequestStream's time bound
+
  private:
   bool drain(ChoiceRun& run, std::chrono::milliseconds wait, std::vector<std::pair<int, ChoiceDelta>>& out);
 

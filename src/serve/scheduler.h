@@ -52,12 +52,14 @@ class StreamState final : public RequestStream {
   // oldest of them waited kMaxHoldSeconds, or the event ends the request (next() returns whatever is
   // queued, woken or not). Returns whether it woke the consumer.
   bool push(TokenEvent event, size_t wake_at = 1);
+  int wakeups() const { return wakeups_.load(); }  // push() calls that woke the consumer
 
  private:
   GenerationRequest request_;
   std::function<void()> on_cancel_;
   std::atomic<bool> cancelled_{false};
   std::atomic<int> cached_{0};
+  std::atomic<int> wakeups_{0};
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<TokenEvent> events_;
@@ -106,6 +108,7 @@ class Scheduler {
   void sample(Sequence& s, const float* logits);
   void score_prompt(Sequence& s, const float* rows, int n_rows);
   void emit(Sequence& s, TokenEvent ev);  // the sampled token: append, stream, finish
+  size_t wake_at(const Sequence& s) const;  // push()'s wake_at for s's events
   bool greedy_step() const;
   bool backend_sample_step() const;
   void build_row_sampling();

@@ -380,6 +380,35 @@ TEST_F(ServeScheduler, RandomWorkloadKeepsOutputsAndBlocksRight) {
   expect_all_blocks_back();
 }
 
+// GenerationRequest::wake_every: a consumer that drains its stream only when woken (as a connection thread
+// does) is woken for the first token, then once per wake_every tokens, and for the end; the tokens are the same.
+TEST_F(ServeScheduler, WakeEveryGroupsAConsumersWakeups) {
+  std::vector<int32_t> first;
+  for (int every : {0, 8, 1 << 30}) {
+    make(2, 32);
+    GenerationRequest r = greedy(prompt_of(10, 3), 20);
+    r.wake_every = every;
+    auto s = submit(std::move(r));
+    test::StreamOutput out;
+    int seen = 0;
+    while (!sched_->idle()) {
+      sched_->step();
+      if (s->wakeups() == seen) continue;
+      seen = s->wakeups();
+      out = test::take(*s, std::move(out));
+    }
+    EXPECT_EQ(out.finish, FinishReason::Length) << "wake_every " << every;
+    EXPECT_EQ(out.tokens.size(), 20u) << "wake_every " << every;
+    if (first.empty()) first = out.tokens;
+    EXPECT_EQ(out.tokens, first) << "wake_every " << every;
+    // 0 with one running sequence: every token. 8: tokens 1, 9 and 17, then the end (token 20). Never:
+    // the first token and the end. (A step stalled past kMaxHoldSeconds on a loaded machine adds one.)
+    const int want = every == 0 ? 20 : every == 8 ? 4 : 2;
+    EXPECT_GE(s->wakeups(), want) << "wake_every " << every;
+    EXPECT_LE(s->wakeups(), every == 0 ? want : want + 2) << "wake_every " << every;
+  }
+}
+
 // With many sequences running the engine wakes a consumer once per group of tokens; whatever is queued is
 // still there for next(), and the end of a request, a group's last token or a held token's age wakes it.
 TEST(ServeStreamState, WakesTheConsumerPerGroupOfTokens) {
