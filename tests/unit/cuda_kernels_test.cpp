@@ -422,6 +422,61 @@ TEST(CudaKernels, BatchedVariantsAreBitIdentical) {
   }
 }
 
+// 32-token products over many tiles of short rows (warps_per_tile's rule for base's output head: 2 warps per
+// tile, each walking k in several rounds): against the scalar CPU, 17 tokens bit-identical to the same rows
+// of 32, and the fused argmax head picking argmax_rows' index over those logits.
+TEST(CudaKernels, ManyTilesMatchScalarCpu) {
+  REQUIRE_GPU();
+  const auto& scalar = kernels::kernels_for(KernelLevel::Scalar);
+  const int64_t rows = 16 * 3200 + 5, k = 768;  // 3,201 tiles: past 8 per resident CTA on the H200
+  for (DType t : {DType::Q4_0, DType::Q8_0}) {
+    SCOPED_TRACE(dtype_name(t));
+    const std::vector<uint8_t> w = random_matrix(t, rows, k, 91);
+    const size_t row_bytes = dtype_row_bytes(t, (uint64_t)k);
+    const cu::MatrixPart part{t, w.data(), rows, k, row_bytes};
+    cu::Matrix m = cu::upload_matrix(&part, 1, nullptr);
+    const std::vector<float> x = gaussian((size_t)32 * k, 92);
+    DevFloats dx(x);
+    auto* keys = static_cast<unsigned long long*>(cu::dev_alloc(32 * sizeof(unsigned long long)));
+    auto* ids = static_cast<int32_t*>(cu::dev_alloc(2 * 32 * sizeof(int32_t)));
+    std::vector<float> all32;
+    for (int n : {32, 17}) {
+      cu::ActBuf a = cu::act_alloc(m.act(), k, n);
+      cu::PrepArgs p;
+      p.d_x = dx.p;
+      p.ld = k;
+      cu::prep_act(p, n, a, nullptr);
+      DevFloats dy(std::vector<float>((size_t)n * rows, 0.0f));
+      cu::matmul(m, a, n, dy.p, rows, rows, false, nullptr);
+      ASSERT_TRUE(cu::matmul_argmax_fits(m, n));
+      cu::argmax_rows(dy.p, rows, n, rows, ids, nullptr);
+      cu::matmul_argmax(m, a, n, rows, keys, nullptr);
+      cu::argmax_keys_to_ids(keys, n, ids + 32, nullptr);
+      cu::sync_device();
+      const std::vector<float> got = download(dy.p, (size_t)n * rows);
+      EXPECT_EQ(download(ids + 32, (size_t)n), download(ids, (size_t)n)) << n << " tokens: fused argmax head";
+      cu::act_free(a);
+      if (n == 17) {
+        for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], all32[i]) << "17 tokens against 32, element " << i;
+        continue;
+      }
+      all32 = got;
+      const kernels::MatmulKernel* mk = scalar.matmul(t);
+      const size_t xb = dtype_row_bytes(mk->act_type, (uint64_t)k);
+      std::vector<uint8_t> xq(xb * 32);
+      mk->quantize_act(x.data(), 32, k, xq.data());
+      std::vector<float> want((size_t)32 * rows);
+      mk->rows(w.data(), row_bytes, 0, rows, xq.data(), xb, 32, k, want.data(), rows);
+      float worst = 0;
+      for (size_t i = 0; i < want.size(); ++i) worst = std::max(worst, std::fabs(got[i] - want[i]));
+      EXPECT_LE(worst, 2e-5f * max_abs(want) + 1e-6f);
+    }
+    cu::dev_free(keys);
+    cu::dev_free(ids);
+    cu::free_matrix(m);
+  }
+}
+
 TEST(CudaKernels, StackedMatricesKeepTheirRows) {
   REQUIRE_GPU();
   const DType t = DType::Q4_0;

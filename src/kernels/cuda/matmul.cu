@@ -609,18 +609,32 @@ int round_for(int f, int nt, int64_t n_chunks) {
 
 constexpr int nt_index(int nt) { return nt == 1 ? 0 : nt == 2 ? 1 : 2; }
 
+// MERLIN_CUDA_MANY_SPLIT=0 (read once): warps_per_tile's rule for many-tile short rows off (A/B timing).
+bool many_tiles_split() {
+  static const bool on = !env_is("MERLIN_CUDA_MANY_SPLIT", "0");
+  return on;
+}
+
 // Warps per tile. A CTA works on kWarps / split tiles at once when k is short (its rounds cover k with fewer
 // than 8 warps) and the matrix has enough tiles that the persistent grid stays full: base's output head at
 // 32 tokens (3,141 tiles of k = 768 in Q4_0: 3 of 8 warps busy). Splitting smaller matrices that way left
 // SMs idle (base q4_0 tg128 x32 45.8k t/s against 47.9k with every matrix grouped). Any split whose rounds
 // cover k in one pass sums in the same order as split = 8, so results do not depend on it.
 // MERLIN_CUDA_MM_SPLIT=0 keeps 8 for A/B timing.
+// A matrix of at least 8 tiles per resident CTA in rounds of 2 (the 32-token kernel on short rows: base's
+// head, 3,142 tiles of k = 768) takes 2 warps per tile even though one pass would need more: each warp then
+// walks its tile's k in several rounds, and a CTA's 4 tiles share one reduction (two barriers and the
+// argmax's shared atomics) where 8 warps per tile paid one per tile. H200 tg128 x32 (2026-11-30, two rounds,
+// 8 / 2 warps per tile): base q4_0 69,280 / 70,910 t/s, q8_0 66,540 / 67,590, mxfp4 61,460 / 63,590 (q4_0 with
+// 4 warps 69,940, with 1 warp 69,570: 393 sets of 8 tiles over 264 CTAs are uneven). Such rows' 17..32-token sums already run in their own order (round_for):
+// this changes that order, not batch invariance (BatchedVariantsAreBitIdentical, ManyTilesMatchScalarCpu).
 int warps_per_tile(int64_t n_chunks, int64_t tiles, int64_t resident, int round) {
   static const bool on = !env_is("MERLIN_CUDA_MM_SPLIT", "0");
   int s_min = 1;
   while (s_min < kWarps && (int64_t)s_min * round < n_chunks) s_min *= 2;
   int groups = 1;
   while (on && groups * 2 <= kWarps / s_min && tiles / (groups * 2) >= resident) groups *= 2;
+  if (many_tiles_split() && round == 2 && tiles >= 8 * resident) return std::min(2, kWarps / groups);
   return kWarps / groups;
 }
 
