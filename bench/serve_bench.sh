@@ -3,7 +3,8 @@
 # 1, 4, 16 and 32 concurrent streaming clients (bench/serve_load.mjs), for the default model and for the
 # `base` preset at Q4_0 (random weights, written into a temp dir). Not a test; results go to docs/BENCHMARKS.md.
 #   bash bench/serve_bench.sh [default|base|all] [max_tokens=128]
-# Environment: MERLIN_BIN (default build/bin/merlin), THREADS (default 2), LEVELS (default "1 4 16 32").
+# Environment: MERLIN_BIN (default build/bin/merlin), THREADS (default 2), LEVELS (default "1 4 16 32"),
+# STREAM (default 1; 0: non-streaming requests, whose TTFT column is then the whole request's time).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 merlin=${MERLIN_BIN:-$root/build/bin/merlin}
@@ -11,6 +12,8 @@ which=${1:-all}
 max_tokens=${2:-128}
 threads=${THREADS:-2}
 levels=${LEVELS:-1 4 16 32}
+stream_flag=""
+[[ ${STREAM:-1} == 0 ]] && stream_flag="--no-stream"
 command -v node >/dev/null || { echo "serve_bench.sh: node is needed for the load generator" >&2; exit 1; }
 tmp=$(mktemp -d)
 server_pid=""
@@ -49,7 +52,7 @@ bench_model() {  # bench_model LABEL MODEL
   # One untimed request first: page in the weights, warm the allocator.
   node "$root/bench/serve_load.mjs" "http://127.0.0.1:$port" -c 1 -r 1 -n 16 >/dev/null
   for c in $levels; do
-    line=$(node "$root/bench/serve_load.mjs" "http://127.0.0.1:$port" -c "$c" -n "$max_tokens")
+    line=$(node "$root/bench/serve_load.mjs" "http://127.0.0.1:$port" -c "$c" -n "$max_tokens" $stream_flag)
     tps=$(node -p "JSON.parse(process.argv[1]).tokens_per_second" "$line")
     [[ -z $base ]] && base=$tps
     node -e '
@@ -60,7 +63,7 @@ bench_model() {  # bench_model LABEL MODEL
   stop_server
 }
 
-echo "merlin serve benchmark, $(date -u '+%F %H:%M UTC'), commit $(git -C "$root" rev-parse --short HEAD), $threads threads, $max_tokens tokens per request (ignore_eos, greedy), load average $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "merlin serve benchmark, $(date -u '+%F %H:%M UTC'), commit $(git -C "$root" rev-parse --short HEAD), $threads threads, $max_tokens tokens per request (ignore_eos, greedy, $([[ -n $stream_flag ]] && echo non-streaming || echo streaming)), load average $(cut -d' ' -f1-3 /proc/loadavg)"
 if [[ $which == default || $which == all ]]; then
   bench_model "models/merlin-default.gguf" "$root/models/merlin-default.gguf"
 fi
