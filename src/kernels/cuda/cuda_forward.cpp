@@ -88,7 +88,7 @@ cuda::RopeKvArgs CudaBackend::rope_args(const int32_t* pos, const int32_t* seq, 
 }
 
 // MERLIN_CUDA_KV_L2_MB=N (read once, default 8; 0 = off): how much of the context's K/V a single-token QKV
-// product asks into L2 for the attention after it (prefetch_kv_context), newest positions first.
+// product asks into L2 for the attention after it (prefetch_kv_context): the newest positions' rows.
 int CudaBackend::kv_l2_positions(const cuda::KvArgs& kv, int64_t kv_dim) {
   static const long mb = std::clamp(env_int("MERLIN_CUDA_KV_L2_MB", 8), 0L, 40L);
   const int64_t row = kv_dim * (kv.f16 ? 2 : 4);

@@ -626,8 +626,9 @@ bool many_tiles_split() {
 // walks its tile's k in several rounds, and a CTA's 4 tiles share one reduction (two barriers and the
 // argmax's shared atomics) where 8 warps per tile paid one per tile. H200 tg128 x32 (2026-11-30, two rounds,
 // 8 / 2 warps per tile): base q4_0 69,280 / 70,910 t/s, q8_0 66,540 / 67,590, mxfp4 61,460 / 63,590 (q4_0 with
-// 4 warps 69,940, with 1 warp 69,570: 393 sets of 8 tiles over 264 CTAs are uneven). Such rows' 17..32-token sums already run in their own order (round_for):
-// this changes that order, not batch invariance (BatchedVariantsAreBitIdentical, ManyTilesMatchScalarCpu).
+// 4 warps 69,940, with 1 warp 69,570: 393 sets of 8 tiles over 264 CTAs are uneven). Such rows' 17..32-token
+// sums already run in their own order (round_for): this changes that order, not batch invariance
+// (BatchedVariantsAreBitIdentical, ManyTilesMatchScalarCpu).
 int warps_per_tile(int64_t n_chunks, int64_t tiles, int64_t resident, int round) {
   static const bool on = !env_is("MERLIN_CUDA_MM_SPLIT", "0");
   int s_min = 1;
