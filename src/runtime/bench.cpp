@@ -98,6 +98,7 @@ std::vector<BenchTest> bench_model(const Model& model, const BenchOptions& o, Be
   bo.n_ctx = std::max(1, ctx_needed);
   bo.max_batch = std::max(1, std::min(o.n_batch, std::max(o.n_prompt, o.kv_cache ? 1 : o.n_gen)));
   bo.kv_type = o.kv_type;
+  bo.long_decode = true;  // steady state, as llama-bench measures it: the warm-up pays the one-time costs
   int max_seqs = 1;
   for (int b : o.decode_batches) max_seqs = std::max(max_seqs, b);
   bo.n_seq = max_seqs;

@@ -425,13 +425,14 @@ TEST(CudaBackend, GreedyMatchesCpuOnDefaultModel) {
 }
 
 // Two CUDA backends of one model, one running a step per launch (MERLIN_CUDA_CHAIN=0) and one with decode
-// loops, both prefilled with the same n_prompt pseudo-random tokens; first: the greedy id after them.
+// loops (with long_decode: 8 steps per iteration, 64 per launch), both prefilled with the same n_prompt
+// pseudo-random tokens; first: the greedy id after them.
 struct LoopPair {
   std::unique_ptr<Backend> single, looped;
   int32_t first = 0;
   int start = 0;  // the first decode position
 };
-LoopPair loop_pair(const Model& m, int n_prompt) {
+LoopPair loop_pair(const Model& m, int n_prompt, bool long_decode) {
   const int64_t vocab = m.config().vocab_size;
   std::vector<int32_t> prompt((size_t)n_prompt);
   for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = (int32_t)((i * 7919 + 13) % (size_t)vocab);
@@ -439,7 +440,9 @@ LoopPair loop_pair(const Model& m, int n_prompt) {
   ::setenv("MERLIN_CUDA_CHAIN", "0", 1);
   lp.single = make_backend("cuda", m, opts_with());
   ::unsetenv("MERLIN_CUDA_CHAIN");
-  lp.looped = make_backend("cuda", m, opts_with());
+  BackendOptions lo = opts_with();
+  lo.long_decode = long_decode;
+  lp.looped = make_backend("cuda", m, lo);
   for (Backend* b : {lp.single.get(), lp.looped.get()}) {
     std::vector<float> row = prefill(m, *b, prompt, 0, 0, false);
     lp.first = argmax(row.data(), vocab);
@@ -459,45 +462,48 @@ TEST(CudaBackend, DecodeGreedyLoopsMatchSingleSteps) {
   const std::string f32 = dir.file("chain-f32.gguf");
   write_tiny_model(*Model::load(kDefaultModel), 640, 7, f32);  // three attention splits of 256 positions
   // Q4_0: the head's product finds the argmax (its key feeds the next step); BF16: argmax_rows writes the id.
+  // long_decode: loops of 24 and 48 steps (8 per iteration) around single steps at 254 and 255.
   for (DType t : {DType::Q4_0, DType::BF16}) {
-    SCOPED_TRACE(dtype_name(t));
-    const std::string path = dir.file(std::string("chain-") + dtype_name(t) + ".gguf");
-    quantize_to(f32, path, t);
-    auto m = Model::load(path);
-    const int64_t vocab = m->config().vocab_size;
-    const LoopPair lp = loop_pair(*m, 230);
-    Backend *single = lp.single.get(), *chained = lp.looped.get();
-    const int32_t first = lp.first;
-    const int start = lp.start, n = 75;  // loops of 16, 10 (to position 256), 16, 16, 16, one step
-    std::vector<int32_t> want;
-    int32_t tok = first;
-    for (int i = 0; i < n; ++i) {
-      Batch batch;
-      batch.add(tok, start + i, 0, true);
-      single->forward_greedy(batch, vocab, &tok);
-      want.push_back(tok);
-    }
-    std::vector<int32_t> got;
-    testing::internal::CaptureStderr();
-    EXPECT_EQ(chained->decode_greedy(first, start, 0, n, vocab, [&](int32_t id) {
-      got.push_back(id);
-      return true;
-    }), n);
-    EXPECT_EQ(testing::internal::GetCapturedStderr().find("decode loops unavailable"), std::string::npos);
-    EXPECT_EQ(got, want);
-    EXPECT_GT(std::set<int32_t>(want.begin(), want.end()).size(), 4u);  // not one token repeated
+    for (bool long_decode : {false, true}) {
+      SCOPED_TRACE(std::string(dtype_name(t)) + (long_decode ? " long_decode" : ""));
+      const std::string path = dir.file(std::string("chain-") + dtype_name(t) + ".gguf");
+      if (!long_decode) quantize_to(f32, path, t);
+      auto m = Model::load(path);
+      const int64_t vocab = m->config().vocab_size;
+      const LoopPair lp = loop_pair(*m, 230, long_decode);
+      Backend *single = lp.single.get(), *chained = lp.looped.get();
+      const int32_t first = lp.first;
+      const int start = lp.start, n = 75;  // loops of 16, 10 (to position 256), 16, 16, 16, one step
+      std::vector<int32_t> want;
+      int32_t tok = first;
+      for (int i = 0; i < n; ++i) {
+        Batch batch;
+        batch.add(tok, start + i, 0, true);
+        single->forward_greedy(batch, vocab, &tok);
+        want.push_back(tok);
+      }
+      std::vector<int32_t> got;
+      testing::internal::CaptureStderr();
+      EXPECT_EQ(chained->decode_greedy(first, start, 0, n, vocab, [&](int32_t id) {
+        got.push_back(id);
+        return true;
+      }), n);
+      EXPECT_EQ(testing::internal::GetCapturedStderr().find("decode loops unavailable"), std::string::npos);
+      EXPECT_EQ(got, want);
+      EXPECT_GT(std::set<int32_t>(want.begin(), want.end()).size(), 4u);  // not one token repeated
 
-    got.clear();
-    EXPECT_EQ(chained->decode_greedy(first, start, 0, n, vocab, [&](int32_t id) {
-      got.push_back(id);
-      return got.size() < 21;
-    }), 21);
-    ASSERT_EQ(got.size(), 21u);
-    EXPECT_EQ(chained->decode_greedy(got.back(), start + 21, 0, n - 21, vocab, [&](int32_t id) {
-      got.push_back(id);
-      return true;
-    }), n - 21);
-    EXPECT_EQ(got, want);
+      got.clear();
+      EXPECT_EQ(chained->decode_greedy(first, start, 0, n, vocab, [&](int32_t id) {
+        got.push_back(id);
+        return got.size() < 21;
+      }), 21);
+      ASSERT_EQ(got.size(), 21u);
+      EXPECT_EQ(chained->decode_greedy(got.back(), start + 21, 0, n - 21, vocab, [&](int32_t id) {
+        got.push_back(id);
+        return true;
+      }), n - 21);
+      EXPECT_EQ(got, want);
+    }
   }
 }
 
@@ -525,28 +531,31 @@ TEST(CudaBackend, DecodeSampleLoopsMatchSingleSteps) {
     }
     r.u = rng.uniform_double();
   }
-  const LoopPair lp = loop_pair(*m, 20);
-  Backend *single = lp.single.get(), *chained = lp.looped.get();
-  const int32_t first = lp.first;
-  const int start = lp.start;
-  std::vector<int32_t> want;
-  int32_t tok = first;
-  for (size_t i = 0; i < rows.size(); ++i) {
-    Batch batch;
-    batch.add(tok, start + (int)i, 0, true);
-    single->forward_sample(batch, vocab, std::span<const RowSampling>(&rows[i], 1), {}, &tok);
-    want.push_back(tok);
+  for (bool long_decode : {false, true}) {  // a loop of 40 draws (16, 16, 8 without long_decode)
+    SCOPED_TRACE(long_decode ? "long_decode" : "default loops");
+    const LoopPair lp = loop_pair(*m, 20, long_decode);
+    Backend *single = lp.single.get(), *chained = lp.looped.get();
+    const int32_t first = lp.first;
+    const int start = lp.start;
+    std::vector<int32_t> want;
+    int32_t tok = first;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      Batch batch;
+      batch.add(tok, start + (int)i, 0, true);
+      single->forward_sample(batch, vocab, std::span<const RowSampling>(&rows[i], 1), {}, &tok);
+      want.push_back(tok);
+    }
+    std::vector<int32_t> got;
+    testing::internal::CaptureStderr();
+    EXPECT_EQ(chained->decode_sample(first, start, 0, rows, vocab, [&](int32_t id) {
+      got.push_back(id);
+      return true;
+    }), (int)rows.size());
+    EXPECT_EQ(testing::internal::GetCapturedStderr().find("decode loops unavailable"), std::string::npos);
+    EXPECT_EQ(got, want);
+    EXPECT_GT(std::set<int32_t>(want.begin(), want.end()).size(), 10u);  // drawn, not one token repeated
+    for (int32_t id : got) EXPECT_TRUE(id >= 0 && id < vocab);
   }
-  std::vector<int32_t> got;
-  testing::internal::CaptureStderr();
-  EXPECT_EQ(chained->decode_sample(first, start, 0, rows, vocab, [&](int32_t id) {
-    got.push_back(id);
-    return true;
-  }), (int)rows.size());
-  EXPECT_EQ(testing::internal::GetCapturedStderr().find("decode loops unavailable"), std::string::npos);
-  EXPECT_EQ(got, want);
-  EXPECT_GT(std::set<int32_t>(want.begin(), want.end()).size(), 10u);  // drawn, not one token repeated
-  for (int32_t id : got) EXPECT_TRUE(id >= 0 && id < vocab);
 }
 
 TEST(CudaBackend, GraphReplayIsBitIdenticalToEager) {

@@ -49,12 +49,17 @@ void print_bytes(const std::string& s) {
   std::fflush(stdout);
 }
 
+constexpr int kLongDecodeTokens = 2048;
+
 int run(const RunArgs& a) {
   auto model = Model::load(a.model);
   BackendOptions bo;
   bo.n_threads = a.threads;
   bo.n_ctx = a.ctx;
   bo.kv_type = parse_kv_type(a.kv_type);
+  // Deeper decode loops pay for their capture after ~2,000 tokens (docs/GPU.md); only a run that cannot stop
+  // early is known to get there.
+  bo.long_decode = a.ignore_eos && a.n_predict >= kLongDecodeTokens;
   auto backend = make_backend(a.device, *model, bo);
   const std::vector<int32_t> prompt = prompt_tokens(*model, a);
   MERLIN_CHECK((int)prompt.size() < backend->n_ctx(), "prompt of ", prompt.size(),

@@ -64,6 +64,10 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   norm_fold_mm_ = (int)std::clamp(env_int("MERLIN_CUDA_NORM_FOLD_MM", norm_fold_mm_), 0L, (long)kGraphMaxTokens);
   split_attention_ = !env_is("MERLIN_CUDA_SPLITK", "0");
   twice_ = parse_stages(std::getenv("MERLIN_CUDA_TWICE"));
+  if (opts.long_decode) {
+    chain_max_ = cuda::kChainMax;
+    loop_unroll_ = 8;
+  }
   chain_max_ = (int)std::clamp(env_int("MERLIN_CUDA_CHAIN", chain_max_), 0L, (long)cuda::kChainMax);
   loop_unroll_ = (int)env_int("MERLIN_CUDA_LOOP_UNROLL", loop_unroll_);
   MERLIN_CHECK(loop_unroll_ == 2 || loop_unroll_ == 4 || loop_unroll_ == 8 || loop_unroll_ == 16,

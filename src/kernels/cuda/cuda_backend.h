@@ -148,7 +148,8 @@ class CudaBackend final : public Backend {
   // in) and copies the ids back. So a loop costs one body's capture, whatever its length, where a graph of k
   // unrolled steps cost milliseconds per length (docs/GPU.md). MERLIN_CUDA_CHAIN=N: at most N steps per
   // launch (0 or 1: one step per launch); MERLIN_CUDA_LOOP_UNROLL=2, 4, 8 or 16: steps per iteration (each
-  // iteration boundary costs ~4 µs on the H200, each step captured ~0.3 ms once).
+  // iteration boundary costs ~4 µs on the H200, each step captured ~0.3 ms once). BackendOptions::long_decode
+  // sets 64 and 8 (before the variables).
   int chain_max_ = 16;
   cuda::ChainState* h_chain_ = nullptr;  // pinned
   cuda::ChainState* d_chain_ = nullptr;
