@@ -4,9 +4,14 @@
 //   gemv/TYPE/LEVEL/ROWSxK:   one token, reported as GB/s of weight bytes (bytes_per_second).
 //   gemm/TYPE/LEVEL/512x768x768: 512 tokens, reported as GOP/s (2 * rows * k * tokens per call).
 //   quantize_act/ACT/LEVEL: float activations to Q8_0 / Q8_K.
+//   vnni_peak: back-to-back 512-bit vpdpbusd on 12 independent accumulators, the int8 rate the quantized
+//     GEMM tiles are measured against (GOP/s, 2 per multiply-add); only where the avx512 level runs.
 // LEVEL avx512_packed: the load-time row-interleaved layout (MatmulKernel::packed) where a type has one.
 // Run with --benchmark_repetitions=3 --benchmark_report_aggregates_only=true for medians.
 #include <benchmark/benchmark.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include <cstring>
 #include <random>
@@ -119,8 +124,32 @@ void bm_quantize_act(benchmark::State& state, DType type, KernelLevel level, int
   state.SetItemsProcessed((int64_t)state.iterations() * n_tokens * k);
 }
 
+#if defined(__x86_64__)
+// 12 chains: enough to cover the instruction's latency at two per cycle (8 already reach ~93 % here).
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void bm_vnni_peak(benchmark::State& state) {
+  constexpr int kChains = 12;
+  constexpr int64_t kIters = 1 << 14;
+  __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(5), acc[kChains];
+  for (int j = 0; j < kChains; ++j) acc[j] = _mm512_set1_epi32(j);
+  for (auto _ : state) {
+    for (int64_t i = 0; i < kIters; ++i) {
+#pragma GCC unroll 12
+      for (int j = 0; j < kChains; ++j) acc[j] = _mm512_dpbusd_epi32(acc[j], a, b);
+      asm volatile("" : "+v"(a));  // keeps the loop from being folded
+    }
+  }
+  alignas(64) int32_t lanes[kChains][16];
+  for (int j = 0; j < kChains; ++j) _mm512_store_si512(lanes[j], acc[j]);
+  benchmark::DoNotOptimize(lanes);
+  state.counters["GOP/s"] = benchmark::Counter(2.0 * 64 * kChains * kIters / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+}
+#endif
+
 void register_all() {
   const KernelLevel best = best_kernel_level();
+#if defined(__x86_64__)
+  if (best >= KernelLevel::Avx512) benchmark::RegisterBenchmark("vnni_peak", bm_vnni_peak)->Unit(benchmark::kMicrosecond);
+#endif
   for (KernelLevel level : kLevels) {
     if (level > best) continue;
     for (DType type : kTypes)
