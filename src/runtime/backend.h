@@ -55,7 +55,7 @@ struct BackendOptions {
   // The caller decodes long runs of one sequence, so one-time costs do not matter (merlin bench, whose warm-up
   // absorbs them; merlin run for thousands of tokens): the CUDA backend's decode loops then run 8 steps per
   // iteration and up to 64 per launch (~0.3 % faster per token on a 7B model, ~1 % on base) for a one-time
-  // capture of ~5-8 ms per loop kind, which a 128-token run would pay back ~20 times over (docs/GPU.md).
+  // capture of ~5-8 ms per loop kind, repaid after ~2,000 tokens (docs/GPU.md).
   bool long_decode = false;
 };
 

@@ -149,7 +149,7 @@ class CudaBackend final : public Backend {
   // unrolled steps cost milliseconds per length (docs/GPU.md). MERLIN_CUDA_CHAIN=N: at most N steps per
   // launch (0 or 1: one step per launch); MERLIN_CUDA_LOOP_UNROLL=2, 4, 8 or 16: steps per iteration (each
   // iteration boundary costs ~4 µs on the H200, each step captured ~0.3 ms once). BackendOptions::long_decode
-  // sets 64 and 8 (before the variables).
+  // makes the defaults 64 and 8 (the variables still override them).
   int chain_max_ = 16;
   cuda::ChainState* h_chain_ = nullptr;  // pinned
   cuda::ChainState* d_chain_ = nullptr;
