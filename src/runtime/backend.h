@@ -57,6 +57,10 @@ struct BackendOptions {
   // iteration and up to 64 per launch (~0.3 % faster per token on a 7B model, ~1 % on base) for a one-time
   // capture of ~5-8 ms per loop kind, repaid after ~2,000 tokens (docs/GPU.md).
   bool long_decode = false;
+  // A long-running server: the CPU backend keeps its K/V cache in huge pages faulted in at construction (as
+  // llama.cpp's server clears its cache buffer at start), instead of faulting pages in as they are first
+  // written. Costs the whole cache in RSS from the start; left off for one-off runs.
+  bool resident_kv = false;
 };
 
 // "f32" | "f16" | "q8_0" -> DType; throws merlin::Error otherwise.

@@ -18,6 +18,9 @@
 // the softmax weights are rounded to f16 first, which is what llama.cpp's CPU path computes, so greedy output
 // matches it token for token. Every step of a token's computation is independent of the other tokens in the
 // batch (the kernels are batch invariant), so a sequence's logits do not depend on what it is batched with.
+#include <pthread.h>
+#include <sched.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -25,8 +28,12 @@
 #include <functional>
 #include <memory>
 #include <new>
+#include <stop_token>
+#include <thread>
 
 #include "core/error.h"
+#include "core/huge_pages.h"
+#include "core/sys.h"
 #include "core/thread_pool.h"
 #include "kernels/cpu/head_screen.h"
 #include "kernels/cpu/kernels.h"
@@ -50,6 +57,11 @@ using AlignedArray = std::unique_ptr<T[], AlignedFree<T>>;
 template <typename T>
 AlignedArray<T> aligned_array(size_t n) {
   return AlignedArray<T>(static_cast<T*>(::operator new[](n * sizeof(T), std::align_val_t{64})));
+}
+
+// MERLIN_KV_RESIDENT=0 / =1 overrides BackendOptions::resident_kv (A/B timing).
+bool resident_kv(const BackendOptions& opts) {
+  return env_is("MERLIN_KV_RESIDENT", "1") || (opts.resident_kv && !env_is("MERLIN_KV_RESIDENT", "0"));
 }
 
 // Activation scratch sized for the largest batch. Left uninitialised: large allocations come from fresh pages,
@@ -139,8 +151,8 @@ class CpuBackend final : public Backend {
     const int32_t block = tables_[(size_t)seq][(size_t)(pos / block_size_)];
     return ((size_t)block * block_size_ + (size_t)(pos % block_size_)) * kv_row_bytes_;
   }
-  uint8_t* k_at(int layer, int seq, int pos) { return k_cache_[layer].get() + kv_offset(seq, pos); }
-  uint8_t* v_at(int layer, int seq, int pos) { return v_cache_[layer].get() + kv_offset(seq, pos); }
+  uint8_t* k_at(int layer, int seq, int pos) { return k_cache_[layer] + kv_offset(seq, pos); }
+  uint8_t* v_at(int layer, int seq, int pos) { return v_cache_[layer] + kv_offset(seq, pos); }
 
   const Model& m_;
   const ModelConfig& c_;
@@ -155,8 +167,15 @@ class CpuBackend final : public Backend {
   DType kv_type_;
   size_t kv_row_bytes_, kv_head_bytes_;
   const kernels::MatmulKernel* score_kernel_;  // q · K rows for the cache type
-  // K/V cache per layer: [block][pos in block][kv row], allocated untouched so unused context costs no RSS.
-  std::vector<AlignedArray<uint8_t>> k_cache_, v_cache_;
+  // K/V cache per layer: [block][pos in block][kv row]. Allocated untouched so unused context costs no RSS, or,
+  // with BackendOptions::resident_kv, as one region of huge pages faulted in by the constructor.
+  std::vector<uint8_t*> k_cache_, v_cache_;
+  std::vector<AlignedArray<uint8_t>> kv_arrays_;
+  std::unique_ptr<uint8_t, HugePageUnmap> kv_region_{nullptr, HugePageUnmap{0}};
+  // Faults the resident cache in, 2 MiB at a time; declared after kv_region_, so it is stopped and joined
+  // before the region goes.
+  std::jthread kv_populate_;
+  void allocate_kv_cache(size_t layer_bytes, bool resident);
   Scratch x_, xn_, q_, k_, v_, att_, gate_, up_, tmp_;
   std::vector<float> scores_, qconv_, vrow_;     // per-thread attention scratch
   std::vector<int64_t> group_starts_;           // attention token groups of the current batch
@@ -213,11 +232,7 @@ CpuBackend::CpuBackend(const Model& model, const BackendOptions& opts)
   n_blocks_ = identity_tables_ ? n_seq_ * blocks_per_seq_ : opts.n_kv_blocks;
   tables_.resize((size_t)n_seq_);
   for (int s = 0; s < n_seq_; ++s) identity_table(s);
-  const size_t cache_bytes = (size_t)n_blocks_ * block_size_ * kv_row_bytes_;
-  for (int l = 0; l < c_.n_layers; ++l) {
-    k_cache_.push_back(aligned_array<uint8_t>(cache_bytes));
-    v_cache_.push_back(aligned_array<uint8_t>(cache_bytes));
-  }
+  allocate_kv_cache((size_t)n_blocks_ * block_size_ * kv_row_bytes_, resident_kv(opts));
   const size_t B = (size_t)max_batch_;
   x_.resize(B * c_.dim);
   xn_.resize(B * c_.dim);
@@ -270,6 +285,37 @@ CpuBackend::CpuBackend(const Model& model, const BackendOptions& opts)
         screen_w_.reset();
       }
     }
+  }
+}
+
+// A resident cache is one huge-page region, faulted in by a background thread (a server is ready at once; its
+// first requests share the cores with the faulting for a moment: ~2 s for base's 1.1 GiB on this machine).
+// A server's block allocator and prefix cache end up writing every block, and each first write to a 4 KiB
+// page had cost a fault and a page clear on the decode path; huge pages also spare attention's K/V reads a
+// TLB miss per 4 KiB. base Q4_0 behind `merlin serve`: +19 % at 32 clients, +31 % at one (docs/BENCHMARKS.md).
+// Only while it fits in half of the available memory; otherwise the cache is faulted in as it is written.
+void CpuBackend::allocate_kv_cache(size_t layer_bytes, bool resident) {
+  const size_t stride = (layer_bytes + 63) / 64 * 64, total = 2 * (size_t)c_.n_layers * stride;
+  const size_t mapped = (total + kPageBytes - 1) / kPageBytes * kPageBytes;
+  if (resident && mapped > 0 && mapped <= mem_available_bytes() / 2) {
+    if (uint8_t* p = map_huge_page_aligned(mapped)) {
+      kv_region_ = std::unique_ptr<uint8_t, HugePageUnmap>(p, HugePageUnmap{mapped});
+      kv_populate_ = std::jthread([p, mapped](std::stop_token stop) {
+        const sched_param idle{};  // only on otherwise idle cores: loading and requests go first
+        pthread_setschedparam(pthread_self(), SCHED_IDLE, &idle);
+        for (size_t at = 0; at < mapped && !stop.stop_requested(); at += kHugePageBytes)
+          if (!populate_pages(p + at, std::min(kHugePageBytes, mapped - at))) return;
+      });
+      for (int l = 0; l < c_.n_layers; ++l) {
+        k_cache_.push_back(p + (size_t)(2 * l) * stride);
+        v_cache_.push_back(p + (size_t)(2 * l + 1) * stride);
+      }
+      return;
+    }
+  }
+  for (int l = 0; l < 2 * c_.n_layers; ++l) {
+    kv_arrays_.push_back(aligned_array<uint8_t>(layer_bytes));
+    (l % 2 == 0 ? k_cache_ : v_cache_).push_back(kv_arrays_.back().get());
   }
 }
 
@@ -692,7 +738,7 @@ void CpuBackend::attend(int layer, const Batch& batch, int64_t t0, int64_t nt, i
   // Block by block through the sequence's table, every head of the item on a block before the next.
   const std::vector<int32_t>& table = tables_[(size_t)seq];
   const size_t block_bytes = (size_t)block_size_ * kv_row_bytes_;
-  const uint8_t* k_layer = k_cache_[layer].get();
+  const uint8_t* k_layer = k_cache_[layer];
   for (int p0 = 0; p0 < n_pos; p0 += block_size_) {
     const int n = std::min(block_size_, n_pos - p0);
     const uint8_t* k0 = k_layer + (size_t)table[(size_t)(p0 / block_size_)] * block_bytes;
@@ -702,7 +748,7 @@ void CpuBackend::attend(int layer, const Batch& batch, int64_t t0, int64_t nt, i
     // time, requested while this block is computed.
     const int p_next = p0 + block_size_;
     const uint8_t* next = p_next < n_pos ? k_layer + (size_t)table[(size_t)(p_next / block_size_)] * block_bytes
-                                         : v_cache_[layer].get() + (size_t)table[0] * block_bytes;
+                                         : v_cache_[layer] + (size_t)table[0] * block_bytes;
     const int n_next = p_next < n_pos ? std::min(block_size_, n_pos - p_next) : std::min(block_size_, n_pos);
     for (int64_t j = 0; j < nh; ++j) {
       if (prefetch_) prefetch_slice(next + kv_head_offset(h0 + j), n_next);
@@ -736,7 +782,7 @@ void CpuBackend::weigh_values(int layer, const Batch& batch, int64_t t0, int64_t
     }
   const std::vector<int32_t>& table = tables_[(size_t)batch.seq[t0]];
   const size_t block_bytes = (size_t)block_size_ * kv_row_bytes_;
-  const uint8_t* v_layer = v_cache_[layer].get();
+  const uint8_t* v_layer = v_cache_[layer];
   const size_t ldv = kv_row_bytes_ / sizeof(uint16_t);
   // A decode token's heads (one K/V head each) read the same V rows: one call per block sums them all, a row's
   // FMA chains of every head interleaved (per element the same operations in position order as head by head).

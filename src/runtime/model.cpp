@@ -11,9 +11,9 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 
 #include "core/error.h"
+#include "core/huge_pages.h"
 #include "kernels/cpu/kernels.h"
 
 namespace merlin {
@@ -21,36 +21,6 @@ namespace merlin {
 namespace tn = tensor_names;
 
 namespace {
-
-constexpr size_t kHugePage = size_t{2} << 20;
-constexpr size_t kPage = 4096;
-
-// Anonymous memory of `bytes` (a multiple of 4 KiB) starting on a 2 MiB boundary and advised for
-// transparent huge pages: every whole 2 MiB stretch becomes one huge page, and the tail past the last
-// boundary stays in 4 KiB pages instead of costing a whole huge page (up to 2 MiB of RSS for nothing; the
-// tail is a fraction of one matrix, so its TLB misses do not show in decode). Null on failure.
-uint8_t* map_huge_page_aligned(size_t bytes) {
-  const size_t reserve = bytes + kHugePage;
-  void* r = ::mmap(nullptr, reserve, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (r == MAP_FAILED) return nullptr;
-  auto* base = static_cast<uint8_t*>(r);
-  auto* p = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(base) + kHugePage - 1) & ~(kHugePage - 1));
-  if (p > base) ::munmap(base, (size_t)(p - base));
-  if (base + reserve > p + bytes) ::munmap(p + bytes, (size_t)(base + reserve - (p + bytes)));
-  ::madvise(p, bytes, MADV_HUGEPAGE);
-  return p;
-}
-
-uint64_t mem_available_bytes() {
-  std::ifstream f("/proc/meminfo");
-  std::string key;
-  uint64_t kib = 0;
-  while (f >> key >> kib) {
-    if (key == "MemAvailable:") return kib * 1024;
-    f.ignore(1 << 10, '\n');
-  }
-  return 0;
-}
 
 bool want_huge_pages(WeightMemory memory, uint64_t bytes) {
   if (memory != WeightMemory::Auto) return memory == WeightMemory::HugePages;
@@ -60,10 +30,6 @@ bool want_huge_pages(WeightMemory memory, uint64_t bytes) {
 }
 
 }  // namespace
-
-void Model::AnonDeleter::operator()(uint8_t* p) const {
-  if (p != nullptr) ::munmap(p, bytes);
-}
 
 namespace {
 
@@ -131,10 +97,10 @@ void Model::place_weights_in_huge_pages() {
                                                     {&l.down, "ffn_down"}};
     for (const auto& [w, name] : mats) add(*w, tn::blk(i, name));
   }
-  const size_t mapped = (total + kPage - 1) / kPage * kPage;
+  const size_t mapped = (total + kPageBytes - 1) / kPageBytes * kPageBytes;
   uint8_t* p = map_huge_page_aligned(mapped);
   if (p == nullptr) return;  // keep the weights in place
-  std::unique_ptr<uint8_t, AnonDeleter> copy(p, AnonDeleter{mapped});
+  std::unique_ptr<uint8_t, HugePageUnmap> copy(p, HugePageUnmap{mapped});
   const int fd = ::open(file_->path().c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return;
   for (const Placement& pl : plan) {

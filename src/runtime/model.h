@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/huge_pages.h"
 #include "format/gguf.h"
 #include "model/config.h"
 #include "tokenizer/tokenizer.h"
@@ -79,11 +80,7 @@ class Model {
   std::vector<float> output_norm_;
   std::vector<LayerWeights> layers_;
   // The huge-page copy of the matrices (null when weights are used in place).
-  struct AnonDeleter {
-    size_t bytes;
-    void operator()(uint8_t* p) const;
-  };
-  std::unique_ptr<uint8_t, AnonDeleter> weights_copy_{nullptr, AnonDeleter{0}};
+  std::unique_ptr<uint8_t, HugePageUnmap> weights_copy_{nullptr, HugePageUnmap{0}};
   void place_weights_in_huge_pages();
   void release_load_memory();
 };

@@ -1,6 +1,7 @@
 // Whole-model tests of the CPU forward pass and generation: llama2.c's own outputs for stories260K,
 // and agreement between the prefill, decode and no-cache paths and between batched sequences.
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 
@@ -136,6 +137,35 @@ TEST(Forward, SequencesInOneBatchMatchSeparateRuns) {
   std::vector<std::vector<float>> alone;
   for (const auto& s : seqs) alone.push_back(prefill(*m, *backend, s, 0, 0, true));
   test::expect_batch_matches_alone(*backend, seqs, alone, vocab, 1e-5f);
+}
+
+// A server's resident K/V cache (one huge-page region, faulted in by a background thread while the backend is
+// already in use) holds the same rows as the lazily faulted one: the same logits, bit for bit.
+TEST(Forward, ResidentKvCacheGivesSameLogits) {
+  MERLIN_REQUIRE_DATA(model_path, "models/stories260K/stories260K.gguf");
+  auto m = Model::load(model_path);
+  std::vector<std::vector<float>> runs;
+  for (bool resident : {false, true}) {
+    BackendOptions bo;
+    bo.n_threads = 2;
+    bo.n_seq = 2;
+    bo.resident_kv = resident;
+    auto backend = make_cpu_backend(*m, bo);
+    std::vector<float> all = prefill(*m, *backend, {1, 403, 407, 261}, 0, 0, true);
+    const std::vector<float> other = prefill(*m, *backend, {1, 50, 60}, 1, 0, true);
+    all.insert(all.end(), other.begin(), other.end());
+    std::vector<float> logits(2 * (size_t)m->config().vocab_size);
+    for (int step = 0; step < 6; ++step) {
+      Batch b;
+      b.add(100 + step, 4 + step, 0, true);
+      b.add(200 + step, 3 + step, 1, true);
+      backend->forward(b, logits.data());
+      all.insert(all.end(), logits.begin(), logits.end());
+    }
+    runs.push_back(std::move(all));
+  }
+  ASSERT_EQ(runs[0].size(), runs[1].size());
+  EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * sizeof(float)));
 }
 
 TEST(Forward, RejectsBadTokensAndPositions) {

@@ -90,6 +90,7 @@ int serve(const ServeArgs& a) {
   bo.n_seq = a.parallel;
   bo.kv_type = parse_kv_type(a.kv_type);
   bo.kv_block_size = a.kv_block_size;
+  bo.resident_kv = true;
   const int n_ctx = a.ctx > 0 ? a.ctx : (int)model->config().context_length;
   bo.n_kv_blocks = a.kv_blocks > 0 ? a.kv_blocks : default_kv_blocks(*model, a, n_ctx, bo.kv_type);
   auto backend = make_backend(a.device, *model, bo);
