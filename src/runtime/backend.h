@@ -57,9 +57,9 @@ struct BackendOptions {
   // iteration and up to 64 per launch (~0.3 % faster per token on a 7B model, ~1 % on base) for a one-time
   // capture of ~5-8 ms per loop kind, repaid after ~2,000 tokens (docs/GPU.md).
   bool long_decode = false;
-  // A long-running server: the CPU backend keeps its K/V cache in huge pages faulted in at construction (as
-  // llama.cpp's server clears its cache buffer at start), instead of faulting pages in as they are first
-  // written. Costs the whole cache in RSS from the start; left off for one-off runs.
+  // A long-running server: the CPU backend keeps its K/V cache in huge pages and faults them in ahead, in
+  // idle_work() (llama.cpp's server clears its whole cache buffer at start), instead of as they are first
+  // written. Costs the whole cache in RSS; left off for one-off runs.
   bool resident_kv = false;
 };
 
@@ -112,6 +112,11 @@ class Backend {
   virtual void set_block_table(int seq, std::span<const int32_t> blocks) = 0;
   // Bytes of K/V cache per block (all layers, K and V): what a block costs, for logs and metrics.
   virtual size_t kv_block_bytes() const = 0;
+
+  // One short piece (about a millisecond) of work the backend can do ahead while it has nothing to run: the
+  // CPU backend faults in 2 MiB of a resident K/V cache (BackendOptions::resident_kv). The server's engine
+  // thread calls it while no request runs, so it never delays one. True while more remains.
+  virtual bool idle_work() { return false; }
 
  private:
   // forward_sample's default: the step's logits rows and the sampling scratch, kept between steps (a 32-row

@@ -18,9 +18,6 @@
 // the softmax weights are rounded to f16 first, which is what llama.cpp's CPU path computes, so greedy output
 // matches it token for token. Every step of a token's computation is independent of the other tokens in the
 // batch (the kernels are batch invariant), so a sequence's logits do not depend on what it is batched with.
-#include <pthread.h>
-#include <sched.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -28,8 +25,6 @@
 #include <functional>
 #include <memory>
 #include <new>
-#include <stop_token>
-#include <thread>
 
 #include "core/error.h"
 #include "core/huge_pages.h"
@@ -168,14 +163,13 @@ class CpuBackend final : public Backend {
   size_t kv_row_bytes_, kv_head_bytes_;
   const kernels::MatmulKernel* score_kernel_;  // q · K rows for the cache type
   // K/V cache per layer: [block][pos in block][kv row]. Allocated untouched so unused context costs no RSS, or,
-  // with BackendOptions::resident_kv, as one region of huge pages faulted in by the constructor.
+  // with BackendOptions::resident_kv, as one region of huge pages faulted in ahead by idle_work().
   std::vector<uint8_t*> k_cache_, v_cache_;
   std::vector<AlignedArray<uint8_t>> kv_arrays_;
   std::unique_ptr<uint8_t, HugePageUnmap> kv_region_{nullptr, HugePageUnmap{0}};
-  // Faults the resident cache in, 2 MiB at a time; declared after kv_region_, so it is stopped and joined
-  // before the region goes.
-  std::jthread kv_populate_;
+  size_t kv_populated_ = 0;                    // bytes of kv_region_ that idle_work has faulted in
   void allocate_kv_cache(size_t layer_bytes, bool resident);
+  bool idle_work() override;
   Scratch x_, xn_, q_, k_, v_, att_, gate_, up_, tmp_;
   std::vector<float> scores_, qconv_, vrow_;     // per-thread attention scratch
   std::vector<int64_t> group_starts_;           // attention token groups of the current batch
@@ -288,24 +282,20 @@ CpuBackend::CpuBackend(const Model& model, const BackendOptions& opts)
   }
 }
 
-// A resident cache is one huge-page region, faulted in by a background thread (a server is ready at once; its
-// first requests share the cores with the faulting for a moment: ~2 s for base's 1.1 GiB on this machine).
-// A server's block allocator and prefix cache end up writing every block, and each first write to a 4 KiB
-// page had cost a fault and a page clear on the decode path; huge pages also spare attention's K/V reads a
-// TLB miss per 4 KiB. base Q4_0 behind `merlin serve`: +19 % at 32 clients, +31 % at one (docs/BENCHMARKS.md).
-// Only while it fits in half of the available memory; otherwise the cache is faulted in as it is written.
+// A resident cache is one huge-page region, faulted in ahead by idle_work() (a server's engine thread while no
+// request runs: ~3 s for base's 1.1 GiB on this machine). A server's block allocator and prefix cache end up
+// writing every block, and each first write to a 4 KiB page had cost a fault and a page clear on the decode
+// path; huge pages also spare attention's K/V reads a TLB miss per 4 KiB. base Q4_0 behind `merlin serve`:
+// +17 % at 32 clients, +27 % at one (docs/BENCHMARKS.md). Not a thread of its own: faulting in holds the
+// process's memory-map lock, and a low-priority thread preempted while holding it stalled every mmap of a
+// loaded machine's server start (the default model's startup from ~1.3 s to 1.5-7 s). Only while the cache
+// fits in half of the available memory; otherwise it is faulted in as it is written.
 void CpuBackend::allocate_kv_cache(size_t layer_bytes, bool resident) {
   const size_t stride = (layer_bytes + 63) / 64 * 64, total = 2 * (size_t)c_.n_layers * stride;
   const size_t mapped = (total + kPageBytes - 1) / kPageBytes * kPageBytes;
   if (resident && mapped > 0 && mapped <= mem_available_bytes() / 2) {
     if (uint8_t* p = map_huge_page_aligned(mapped)) {
       kv_region_ = std::unique_ptr<uint8_t, HugePageUnmap>(p, HugePageUnmap{mapped});
-      kv_populate_ = std::jthread([p, mapped](std::stop_token stop) {
-        const sched_param idle{};  // only on otherwise idle cores: loading and requests go first
-        pthread_setschedparam(pthread_self(), SCHED_IDLE, &idle);
-        for (size_t at = 0; at < mapped && !stop.stop_requested(); at += kHugePageBytes)
-          if (!populate_pages(p + at, std::min(kHugePageBytes, mapped - at))) return;
-      });
       for (int l = 0; l < c_.n_layers; ++l) {
         k_cache_.push_back(p + (size_t)(2 * l) * stride);
         v_cache_.push_back(p + (size_t)(2 * l + 1) * stride);
@@ -317,6 +307,15 @@ void CpuBackend::allocate_kv_cache(size_t layer_bytes, bool resident) {
     kv_arrays_.push_back(aligned_array<uint8_t>(layer_bytes));
     (l % 2 == 0 ? k_cache_ : v_cache_).push_back(kv_arrays_.back().get());
   }
+}
+
+bool CpuBackend::idle_work() {
+  const size_t mapped = kv_region_.get_deleter().bytes;
+  if (!kv_region_ || kv_populated_ >= mapped) return false;
+  const size_t n = std::min(kHugePageBytes, mapped - kv_populated_);
+  // A kernel without MADV_POPULATE_WRITE (before 5.14) leaves the rest to the first writes.
+  kv_populated_ = populate_pages(kv_region_.get() + kv_populated_, n) ? kv_populated_ + n : mapped;
+  return kv_populated_ < mapped;
 }
 
 void CpuBackend::identity_table(int seq) {

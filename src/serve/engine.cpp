@@ -49,6 +49,7 @@ struct Engine::Impl {
   // Guarded by wake->mu:
   std::deque<std::shared_ptr<StreamState>> inbox;
   bool stopping = false;
+  bool idle_work_allowed = false;  // Engine::start_idle_work
   int scheduler_waiting = 0;  // the scheduler's queue length after its last step, for the queue bound
   mutable std::mutex stats_mu;
   EngineStats stats;
@@ -67,12 +68,19 @@ struct Engine::Impl {
 };
 
 void Engine::Impl::run() {
+  bool idle_work = true;  // the backend's work ahead (Backend::idle_work), done while nothing runs
   for (;;) {
     std::deque<std::shared_ptr<StreamState>> arrived;
     {
       std::unique_lock<std::mutex> lock(wake->mu);
-      if (!stopping && scheduler.idle() && inbox.empty() && !wake->pending)
+      if (!stopping && scheduler.idle() && inbox.empty() && !wake->pending) {
+        if (idle_work && idle_work_allowed) {
+          lock.unlock();
+          idle_work = backend->idle_work();
+          continue;
+        }
         wake->cv.wait(lock, [&] { return stopping || !inbox.empty() || wake->pending; });
+      }
       wake->pending = false;
       if (stopping) break;
       arrived.swap(inbox);
@@ -121,6 +129,14 @@ Engine::~Engine() {
   }
   impl_->wake->cv.notify_all();
   impl_->thread.join();
+}
+
+void Engine::start_idle_work() {
+  {
+    std::lock_guard<std::mutex> lock(impl_->wake->mu);
+    impl_->idle_work_allowed = true;
+  }
+  impl_->wake->notify();
 }
 
 std::shared_ptr<RequestStream> Engine::submit(GenerationRequest request) {

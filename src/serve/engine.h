@@ -113,6 +113,9 @@ class Engine {
   // context, max_tokens < 0) and QueueFull when the waiting queue is full.
   std::shared_ptr<RequestStream> submit(GenerationRequest request);
   EngineStats stats() const;
+  // Lets the engine thread run the backend's work ahead (Backend::idle_work: faulting in the CPU backend's K/V
+  // cache) whenever no request runs. A server calls it once it listens, so the work never delays its start.
+  void start_idle_work();
   int n_ctx() const;
   const Model& model() const;
 

@@ -139,8 +139,8 @@ TEST(Forward, SequencesInOneBatchMatchSeparateRuns) {
   test::expect_batch_matches_alone(*backend, seqs, alone, vocab, 1e-5f);
 }
 
-// A server's resident K/V cache (one huge-page region, faulted in by a background thread while the backend is
-// already in use) holds the same rows as the lazily faulted one: the same logits, bit for bit.
+// A server's resident K/V cache (one huge-page region, faulted in by idle_work between steps, after some of it
+// was written) holds the same rows as the lazily faulted one: the same logits, bit for bit.
 TEST(Forward, ResidentKvCacheGivesSameLogits) {
   MERLIN_REQUIRE_DATA(model_path, "models/stories260K/stories260K.gguf");
   auto m = Model::load(model_path);
@@ -148,12 +148,15 @@ TEST(Forward, ResidentKvCacheGivesSameLogits) {
   for (bool resident : {false, true}) {
     BackendOptions bo;
     bo.n_threads = 2;
-    bo.n_seq = 2;
+    bo.n_seq = 4;  // 5 MiB of cache: several idle_work pieces
     bo.resident_kv = resident;
     auto backend = make_cpu_backend(*m, bo);
+    EXPECT_EQ(resident, backend->idle_work());  // a 2 MiB piece of many
     std::vector<float> all = prefill(*m, *backend, {1, 403, 407, 261}, 0, 0, true);
     const std::vector<float> other = prefill(*m, *backend, {1, 50, 60}, 1, 0, true);
     all.insert(all.end(), other.begin(), other.end());
+    while (backend->idle_work()) {
+    }
     std::vector<float> logits(2 * (size_t)m->config().vocab_size);
     for (int step = 0; step < 6; ++step) {
       Batch b;

@@ -126,6 +126,7 @@ int serve(const ServeArgs& a) {
     std::fprintf(stderr, "merlin serve: second signal, exiting now\n");
     std::_Exit(130);
   });
+  engine.start_idle_work();
   server.run();
   // run() only returns after stop(); a second signal from here on still exits at once.
   waiter.detach();
