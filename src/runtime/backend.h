@@ -100,6 +100,9 @@ class Backend {
   // with the draws on the device.
   virtual int decode_sample(int32_t token, int32_t pos, int seq, std::span<const RowSampling> rows,
                             int64_t n_vocab, const std::function<bool(int32_t)>& on_token);
+  // Whether decode_greedy / decode_sample run their steps without a host round trip per token (the CUDA
+  // backend's loops). The server then decodes a lone sequence through them (EngineOptions::decode_loop).
+  virtual bool loops_decode() const { return false; }
   // Forgets everything cached for a sequence (the next token of it starts at position 0).
   virtual void clear_sequence(int seq) = 0;
 

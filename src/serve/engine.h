@@ -84,6 +84,11 @@ struct EngineOptions {
   int prefill_chunk = 256;     // most prompt tokens of one sequence in one step
   int max_batch_tokens = 512;  // most tokens in one forward step (decode tokens first, then prefill chunks)
   bool prefix_cache = true;
+  // A lone sequence decoding with nothing waiting runs up to this many tokens per backend call
+  // (Backend::decode_greedy / decode_sample) instead of one step per scheduler iteration; a request arriving
+  // meanwhile waits for the call to end. -1: 16 where the backend loops on the device (loops_decode), else 0
+  // (off); MERLIN_SERVE_DECODE_LOOP=N overrides the automatic choice.
+  int decode_loop = -1;
 };
 
 struct EngineStats {

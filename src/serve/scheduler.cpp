@@ -106,6 +106,8 @@ Scheduler::Scheduler(const Model& model, Backend& backend, const EngineOptions& 
   for (int s = 0; s < opts_.max_sequences; ++s) backend_.set_block_table(s, {});
   stats_.kv_blocks_total = cache_.n_blocks();
   stats_.kv_block_size = block_size_;
+  loop_steps_ = opts_.decode_loop >= 0 ? opts_.decode_loop
+                                       : (int)env_int("MERLIN_SERVE_DECODE_LOOP", backend.loops_decode() ? 16 : 0);
 }
 
 Scheduler::~Scheduler() = default;
@@ -145,7 +147,7 @@ bool Scheduler::step() {
     stats_.waiting = n_waiting();
     return false;
   }
-  if (build_batch()) run_batch();
+  if (!decode_loop() && build_batch()) run_batch();
   remove_finished();
   ++stats_.steps;
   return true;
@@ -374,12 +376,56 @@ void Scheduler::run_batch() {
     after_forward(*r.seq, r.n_fed, r.logits ? row : nullptr);
     if (r.logits) row += vocab_;
   }
+  note_rate();
+}
+
+void Scheduler::note_rate() {
   const double now = now_seconds();
   rate_window_.emplace_back(now, stats_.generated_tokens);
   while (rate_window_.size() > 2 && rate_window_.front().first < now - kRateWindowSeconds) rate_window_.pop_front();
   const double dt = now - rate_window_.front().first;
   stats_.generated_tokens_per_second =
       dt > 0 ? (double)(stats_.generated_tokens - rate_window_.front().second) / dt : 0.0;
+}
+
+// One sequence running, decoding, and nothing waiting: up to loop_steps_ tokens in one backend call, which a
+// backend that loops on the device runs without a host round trip (and a scheduler iteration) per token. The
+// same tokens as single steps: greedy, or the sampler's draws one per step, as generate() hands them over
+// (requests whose draws need the logits on the host, for penalties, biases or log-probabilities, take single
+// steps). The blocks for every position are taken first; steps run past a finish (EOS, max_tokens, a
+// cancellation seen at the next iteration) write K/V rows no one reads, in blocks released with the rest.
+bool Scheduler::decode_loop() {
+  if (loop_steps_ < 2 || running_.size() != 1 || !waiting_.empty()) return false;
+  Sequence& s = *running_.front();
+  const GenerationRequest& req = s.request();
+  const SamplingParams& sp = req.sampling;
+  if (s.done || s.remaining() != 1 || s.n_computed < s.n_prompt || sp.presence_penalty != 0 ||
+      sp.frequency_penalty != 0 || sp.top_logprobs >= 0 || !sp.logit_bias.empty())
+    return false;
+  const int pos = s.n_computed;
+  const int n = std::min({loop_steps_, req.max_tokens - s.n_generated, n_ctx_ - pos});
+  const int more = blocks_for(pos + n, block_size_) - (int)s.blocks.size();
+  if (n < 2 || cache_.n_available() < more || !ensure_blocks(s, pos + n)) return false;
+  const auto on_token = [&](int32_t t) {
+    after_forward(s, 1, nullptr, t);
+    return !s.done && !s.stream->cancelled();
+  };
+  try {
+    if (sp.temperature <= 0) {
+      backend_.decode_greedy(s.tokens[(size_t)pos], pos, s.slot, n, vocab_, on_token);
+    } else {
+      loop_rows_.resize((size_t)n);
+      for (RowSampling& r : loop_rows_) {
+        sample_adjust_.clear();
+        r = s.sampler.row_sampling(sample_adjust_);  // no biases or penalties: nothing to adjust
+      }
+      backend_.decode_sample(s.tokens[(size_t)pos], pos, s.slot, loop_rows_, vocab_, on_token);
+    }
+  } catch (const std::exception& e) {
+    finish(s, final_event(FinishReason::Error, e.what()));
+  }
+  note_rate();
+  return true;
 }
 
 void Scheduler::after_forward(Sequence& s, int n_fed, const float* logits, int32_t token) {

@@ -103,6 +103,8 @@ class Scheduler {
   void preempt(Sequence& s);
   void add_tokens(Sequence& s, int n);
   void run_batch();
+  bool decode_loop();
+  void note_rate();
   // logits: the row's logits, or null with `token` the backend's greedy pick (or -1: no row).
   void after_forward(Sequence& s, int n_fed, const float* logits, int32_t token = -1);
   void sample(Sequence& s, const float* logits);
@@ -124,6 +126,8 @@ class Scheduler {
   EngineOptions opts_;
   int block_size_, n_ctx_;
   int64_t vocab_;
+  int loop_steps_ = 0;  // EngineOptions::decode_loop, resolved
+  std::vector<RowSampling> loop_rows_;
   int32_t eos_;
   PrefixCache cache_;
   std::deque<SeqPtr> waiting_;          // by arrival, preempted sequences back at their place

@@ -327,10 +327,16 @@ TEST_F(ServeScheduler, BackendMustHaveEnoughSlots) {
 
 // A seeded random mix of submissions, cancellations, shared prefixes and steps under heavy block pressure:
 // never a leak, a crash or a hang, and every request that was not cancelled gives generate()'s text.
-TEST_F(ServeScheduler, RandomWorkloadKeepsOutputsAndBlocksRight) {
+// A random workload (arrivals, cancellations, preemption, shared prompts), with and without decode loops for
+// a lone sequence (EngineOptions::decode_loop; the CPU backend runs a loop's steps one by one).
+class ServeSchedulerWorkload : public ServeScheduler, public ::testing::WithParamInterface<int> {};
+INSTANTIATE_TEST_SUITE_P(DecodeLoop, ServeSchedulerWorkload, ::testing::Values(0, 4));
+
+TEST_P(ServeSchedulerWorkload, RandomWorkloadKeepsOutputsAndBlocksRight) {
   EngineOptions eo;
   eo.prefill_chunk = 12;
   eo.max_batch_tokens = 40;
+  eo.decode_loop = GetParam();
   make(5, 16, eo);
   Rng rng(2024);
   struct Req {
@@ -377,6 +383,48 @@ TEST_F(ServeScheduler, RandomWorkloadKeepsOutputsAndBlocksRight) {
   EXPECT_GT(checked, 20);
   EXPECT_GT(sched_->stats().preemptions, 0u);
   EXPECT_GT(sched_->stats().cached_prompt_tokens, 0u);
+  expect_all_blocks_back();
+}
+
+// A lone decoding sequence runs up to decode_loop tokens per step: the same tokens as single steps (greedy, and
+// sampled with a seed: one draw per token either way), max_tokens exact, every block back. A second request
+// ends the loops while both run, and they resume when it is done.
+TEST_F(ServeScheduler, DecodeLoopsGiveTheSameTokensInFewerSteps) {
+  EngineOptions eo;
+  eo.decode_loop = 8;
+  make(2, 32, eo);
+  const auto prompt = prompt_of(20, 3);
+  auto s = submit(greedy(prompt, 30));
+  run_until_idle();
+  EXPECT_EQ(test::take(*s).tokens, reference(prompt, 30));
+  EXPECT_EQ(sched_->stats().steps, 5u);  // the prompt (first token), then loops of 8, 8, 8 and 5
+  expect_all_blocks_back();
+
+  auto sampled = [&](int loop) {
+    EngineOptions o;
+    o.decode_loop = loop;
+    make(2, 32, o);
+    GenerationRequest r = greedy(prompt, 40);
+    r.sampling.temperature = 0.9f;
+    r.sampling.top_k = 20;
+    r.sampling.seed = 7;
+    auto st = submit(r);
+    run_until_idle();
+    expect_all_blocks_back();
+    return test::take(*st).tokens;
+  };
+  const std::vector<int32_t> looped = sampled(8), stepped = sampled(0);
+  EXPECT_EQ(looped.size(), 40u);
+  EXPECT_EQ(looped, stepped);
+
+  make(2, 32, eo);
+  const auto other = prompt_of(9, 5);
+  auto a = submit(greedy(prompt, 40));
+  for (int i = 0; i < 3; ++i) sched_->step();  // the prompt, then two loops
+  auto b = submit(greedy(other, 10));
+  run_until_idle();
+  EXPECT_EQ(test::take(*a).tokens, reference(prompt, 40));
+  EXPECT_EQ(test::take(*b).tokens, reference(other, 10));
   expect_all_blocks_back();
 }
 

@@ -94,6 +94,7 @@ class CudaBackend final : public Backend {
                     const std::function<bool(int32_t)>& on_token) override;
   int decode_sample(int32_t token, int32_t pos, int seq, std::span<const RowSampling> rows, int64_t n_vocab,
                     const std::function<bool(int32_t)>& on_token) override;
+  bool loops_decode() const override { return chain_max_ >= 2; }
   void clear_sequence(int seq) override {
     MERLIN_CHECK(seq >= 0 && seq < n_seq_, "sequence ", seq, " out of range");  // cached rows are overwritten
   }
