@@ -98,8 +98,9 @@ if has serve; then
   grep "^\[serve\]" "$OUT/serve.log"
 fi
 
-# Aggregate tokens/s of `merlin serve --device cuda` on `base` Q4_0 at 1 and 32 clients (scripts/gpu_serve_load.py,
-# 128 tokens per request): greedy, then temperature 1 without and with top-k / top-p / min-p and with top-p alone, sampled on the
+# Aggregate tokens/s of `merlin serve --device cuda` on `base` Q4_0 at 1, 4, 16 and 32 clients (BIN/serve_load,
+# bench/serve_load.cpp; scripts/gpu_serve_load.py where it was not built, whose Python client tops out near 10k
+# tok/s; 128 tokens per request): greedy, then temperature 1 without and with top-k / top-p / min-p and with top-p alone, sampled on the
 # device and, for comparison, on the host (MERLIN_SERVE_BACKEND_SAMPLING=0: the logits rows come back).
 serve_load() {
   local port=${SERVE_PORT:-18090} model="$MODEL_DIR/base-q4_0.gguf"
@@ -115,9 +116,14 @@ for _ in range(240):
     except Exception: time.sleep(0.5)"
     for sampling in "-t 0" "-t 1" "-t 1 --top-k 40 --top-p 0.95 --min-p 0.05" "-t 1 --top-p 0.9"; do
       [ "$sampling" = "-t 0" ] && [ -n "$setting" ] && continue
-      for c in 1 32; do
-        echo "${setting:-defaults} $(python3 "$(dirname "$0")/gpu_serve_load.py" "http://127.0.0.1:$port" -c "$c" \
-          -r $((c == 1 ? 8 : 64)) -n 128 $sampling)" | tee -a "$OUT/serve-load.md"
+      for c in 1 4 16 32; do
+        if [ -x "$BIN/serve_load" ]; then
+          out=$("$BIN/serve_load" "http://127.0.0.1:$port" -c "$c" -r $((c < 8 ? 16 : 4 * c)) -n 128 $sampling)
+        else
+          out=$(python3 "$(dirname "$0")/gpu_serve_load.py" "http://127.0.0.1:$port" -c "$c" -r $((c < 8 ? 16 : 4 * c)) \
+            -n 128 $sampling)
+        fi
+        echo "${setting:-defaults} $out" | tee -a "$OUT/serve-load.md"
       done
     done
     kill "$pid"; wait "$pid" 2>/dev/null
