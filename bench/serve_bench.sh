@@ -4,7 +4,9 @@
 # `base` preset at Q4_0 (random weights, written into a temp dir). Not a test; results go to docs/BENCHMARKS.md.
 #   bash bench/serve_bench.sh [default|base|all] [max_tokens=128]
 # Environment: MERLIN_BIN (default build/bin/merlin), THREADS (default 2), LEVELS (default "1 4 16 32"),
-# STREAM (default 1; 0: non-streaming requests, whose TTFT column is then the whole request's time).
+# STREAM (default 1; 0: non-streaming requests, whose TTFT column is then the whole request's time),
+# CLIENT (default node: bench/serve_load.mjs; cpp: bench/serve_load.cpp's binary beside MERLIN_BIN, which takes
+# less of the two cores the server shares with it: the default model +23-27 % at one client, +10-16 % at 32).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 merlin=${MERLIN_BIN:-$root/build/bin/merlin}
@@ -41,6 +43,23 @@ stop_server() {
   server_pid=""
 }
 
+# load URL ARGS...: one load level through the chosen client, as one JSON line with serve_load.mjs's fields.
+load() {
+  if [[ ${CLIENT:-node} != cpp ]]; then
+    node "$root/bench/serve_load.mjs" "$@"
+    return
+  fi
+  local args=() stream=1
+  for a in "$@"; do [[ $a == --no-stream ]] && stream=0 || args+=("$a"); done
+  [[ $stream == 1 ]] && args+=(--stream)
+  "$(dirname "$merlin")/serve_load" "${args[@]}" -t 0 | node -e '
+    const r = JSON.parse(require("fs").readFileSync(0, "utf8")), ms = (s) => +(1000 * (s ?? 0)).toFixed(1);
+    console.log(JSON.stringify({clients: r.clients, requests: r.requests, tokens: r.tokens, seconds: +r.seconds.toFixed(2),
+      tokens_per_second: +r.tokens_per_s.toFixed(1), ttft_p50_ms: ms(r.ttft_p50_s ?? r.latency_p50_s),
+      ttft_p99_ms: ms(r.ttft_p99_s ?? r.latency_p99_s),
+      per_request_tokens_per_second_p50: +(r.per_request_tokens_per_s_p50 ?? 0).toFixed(1)}));'
+}
+
 bench_model() {  # bench_model LABEL MODEL
   start_server "$2"
   echo
@@ -50,9 +69,9 @@ bench_model() {  # bench_model LABEL MODEL
   echo "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
   local base=""
   # One untimed request first: page in the weights, warm the allocator.
-  node "$root/bench/serve_load.mjs" "http://127.0.0.1:$port" -c 1 -r 1 -n 16 >/dev/null
+  load "http://127.0.0.1:$port" -c 1 -r 1 -n 16 >/dev/null
   for c in $levels; do
-    line=$(node "$root/bench/serve_load.mjs" "http://127.0.0.1:$port" -c "$c" -n "$max_tokens" $stream_flag)
+    line=$(load "http://127.0.0.1:$port" -c "$c" -n "$max_tokens" $stream_flag)
     tps=$(node -p "JSON.parse(process.argv[1]).tokens_per_second" "$line")
     [[ -z $base ]] && base=$tps
     node -e '

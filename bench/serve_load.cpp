@@ -172,12 +172,13 @@ int main(int argc, char** argv) {
   for (auto& t : threads) t.join();
   const double wall = seconds_since(t0);
   int tokens = 0, errors = 0;
-  std::vector<double> latency, ttft;
+  std::vector<double> latency, ttft, decode;  // decode: a streamed request's tok/s after its first chunk
   for (const Outcome& r : done) {
     tokens += r.tokens;
     errors += r.ok ? 0 : 1;
     latency.push_back(r.latency);
     if (r.ttft >= 0) ttft.push_back(r.ttft);
+    if (r.ttft >= 0 && r.tokens > 1 && r.latency > r.ttft) decode.push_back((r.tokens - 1) / (r.latency - r.ttft));
   }
   nlohmann::json j = {{"clients", o.clients},       {"requests", o.requests},
                       {"temperature", o.temperature}, {"top_k", o.top_k},
@@ -189,6 +190,7 @@ int main(int argc, char** argv) {
   if (o.stream) {
     j["ttft_p50_s"] = percentile(ttft, 0.5);
     j["ttft_p99_s"] = percentile(ttft, 0.99);
+    j["per_request_tokens_per_s_p50"] = percentile(decode, 0.5);
   }
   std::printf("%s\n", j.dump().c_str());
   return errors == 0 ? 0 : 1;
