@@ -46,6 +46,8 @@ struct SampleScratch {
   std::vector<double> weights;
   std::vector<double> p1;      // the row's exp(l - max), without top-k
   std::vector<double> bucket;  // their mass by logit below the maximum (the top-p prefix's histogram)
+  std::vector<std::pair<int32_t, float>> cand_tmp;  // the top-p prefix's radix sort: the other buffer
+  std::vector<uint32_t> keys, keys_tmp;             // and its keys
 };
 
 // The host definition of RowSampling: adjust is the step's whole list. (Plain pointers: the CUDA sources,
