@@ -323,12 +323,14 @@ bool Scheduler::greedy_step() const {
 // Otherwise, when no row asks for log-probabilities, the backend samples (forward_sample) with what each
 // request's sampler decides (biases, penalties, filters, the draw's uniform): the same tokens as sampling the
 // logits here, which only log-probabilities still need.
+// MERLIN_SERVE_BACKEND_SAMPLING=0 (read once): sample every such step here (A/B timing), decode loops included.
+static bool backend_sampling_enabled() {
+  static const bool enabled = !env_is("MERLIN_SERVE_BACKEND_SAMPLING", "0");
+  return enabled;
+}
+
 bool Scheduler::backend_sample_step() const {
-  static const bool enabled = [] {  // MERLIN_SERVE_BACKEND_SAMPLING=0: sample every such step here (A/B timing)
-    const char* e = std::getenv("MERLIN_SERVE_BACKEND_SAMPLING");
-    return !(e && std::string(e) == "0");
-  }();
-  if (!enabled) return false;
+  if (!backend_sampling_enabled()) return false;
   for (const Row& r : rows_) {
     if (r.n_score > 0) return false;
     if (!r.logits) continue;
@@ -400,7 +402,8 @@ bool Scheduler::decode_loop() {
   const GenerationRequest& req = s.request();
   const SamplingParams& sp = req.sampling;
   if (s.done || s.remaining() != 1 || s.n_computed < s.n_prompt || sp.presence_penalty != 0 ||
-      sp.frequency_penalty != 0 || sp.top_logprobs >= 0 || !sp.logit_bias.empty())
+      sp.frequency_penalty != 0 || sp.top_logprobs >= 0 || !sp.logit_bias.empty() ||
+      (sp.temperature > 0 && !backend_sampling_enabled()))
     return false;
   const int pos = s.n_computed;
   const int n = std::min({loop_steps_, req.max_tokens - s.n_generated, n_ctx_ - pos});
