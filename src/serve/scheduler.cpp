@@ -320,15 +320,15 @@ bool Scheduler::greedy_step() const {
   return true;
 }
 
-// Otherwise, when no row asks for log-probabilities, the backend samples (forward_sample) with what each
-// request's sampler decides (biases, penalties, filters, the draw's uniform): the same tokens as sampling the
-// logits here, which only log-probabilities still need.
 // MERLIN_SERVE_BACKEND_SAMPLING=0 (read once): sample every such step here (A/B timing), decode loops included.
 static bool backend_sampling_enabled() {
   static const bool enabled = !env_is("MERLIN_SERVE_BACKEND_SAMPLING", "0");
   return enabled;
 }
 
+// Otherwise, when no row asks for log-probabilities, the backend samples (forward_sample) with what each
+// request's sampler decides (biases, penalties, filters, the draw's uniform): the same tokens as sampling the
+// logits here, which only log-probabilities still need.
 bool Scheduler::backend_sample_step() const {
   if (!backend_sampling_enabled()) return false;
   for (const Row& r : rows_) {
