@@ -4,7 +4,8 @@
 //   head sizes 32, 64 and 128;
 // - split-K decode attention against the unsplit kernel at long positions, f16 and f32 caches;
 // - the per-token kernel's second output (Wo's input in Q8_0 / F16 / BF16) against prep_act on its float output;
-// - a Q8_0 cache against an f32 cache of its dequantized values.
+// - a Q8_0 cache against an f32 cache of its dequantized values;
+// - the one-pass launch (plain instance) bit for bit against the default (hoisted) one for decode grids.
 // Skips without a GPU.
 #include <algorithm>
 #include <cmath>
@@ -122,9 +123,12 @@ struct RandomAttention {
   }
 
   // The per-token kernel's output (split-K with `scratch`, unsplit without; also written to `emit` if given).
-  std::vector<float> per_token(const cu::AttnScratch* scratch = nullptr, cu::ActBuf* emit = nullptr) const {
+  // one_pass: the plain instance (cuda::attention's one_pass; every position below the one-pass bound).
+  std::vector<float> per_token(const cu::AttnScratch* scratch = nullptr, cu::ActBuf* emit = nullptr,
+                               bool one_pass = false) const {
     test::DevFloats out(std::vector<float>((size_t)n * ld, 0.f));
-    cu::attention(d_q, ld, 0, n, d_pos, d_seq, n_heads, n_kv_heads, hd, n_ctx, kv, out.p, nullptr, scratch, emit);
+    cu::attention(d_q, ld, 0, n, d_pos, d_seq, n_heads, n_kv_heads, hd, n_ctx, kv, out.p, nullptr, scratch, emit,
+                  false, one_pass);
     cu::sync_device();
     return download(out.p, (size_t)n * ld);
   }
@@ -384,4 +388,28 @@ TEST(CudaAttention, EmitsTheProductInputOfAPlainPreparation) {
   }
   EXPECT_FALSE(cu::attention_emits(cu::ActKind::Q8_0, 48));  // a Q8_0 block must not straddle two heads
   EXPECT_FALSE(cu::attention_emits(cu::ActKind::Q8_K, 64));
+}
+
+// Decode steps whose positions all lie below attention_one_pass_positions launch the kernel's plain instance
+// (cuda::attention's one_pass, the backend's kAttnOnePass graphs); a decode grid otherwise gets the hoisted
+// one. Both must give the same bits, or a sequence's tokens would depend on the longest context beside it.
+TEST(CudaAttention, OnePassLaunchMatchesTheHoistedOne) {
+  REQUIRE_GPU();
+  for (int kind : {0, 1, 2}) {  // f16, f32, Q8_0 cache
+    for (int hd : {32, 64, 128}) {
+      cu::KvArgs probe;
+      probe.q8 = kind == 2;
+      const int bound = cu::attention_one_pass_positions(hd, probe);
+      ASSERT_GE(bound, 32);
+      const std::vector<Token> batch = {{0, 0}, {1, bound / 2}, {2, bound - 1}, {0, bound - 2}};
+      SCOPED_TRACE("cache kind " + std::to_string(kind) + ", head size " + std::to_string(hd) + ", bound " +
+                   std::to_string(bound));
+      const RandomAttention a(hd, 4, 2, kind == 0, batch, std::max(256, (bound + 15) / 16 * 16), (uint32_t)(kind * 100 + hd),
+                              kind == 2);
+      const std::vector<float> hoisted = a.per_token(), plain = a.per_token(nullptr, nullptr, true);
+      ASSERT_EQ(hoisted.size(), plain.size());
+      EXPECT_EQ(std::memcmp(hoisted.data(), plain.data(), plain.size() * sizeof(float)), 0);
+      for (float v : plain) ASSERT_TRUE(std::isfinite(v));
+    }
+  }
 }

@@ -720,13 +720,17 @@ void attention_scratch_free(AttnScratch& s) {
   s = AttnScratch{};
 }
 
+int attention_one_pass_positions(int head_dim, const KvArgs& kv) {
+  return kAttnThreads / group_lanes(head_dim) * (kv.q8 ? pos_unroll<kKvQ8>() : pos_unroll<kKvF16>());
+}
+
 bool attention_emits(ActKind kind, int head_dim) {
   return (kind == ActKind::Q8_0 && head_dim % 32 == 0) || kind == ActKind::F16 || kind == ActKind::BF16;
 }
 
 void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32_t* d_pos, const int32_t* d_seq,
                int n_heads, int n_kv_heads, int head_dim, int n_ctx, const KvArgs& kv, float* d_out, Stream stream,
-               const AttnScratch* scratch, ActBuf* out_act, bool context_l2) {
+               const AttnScratch* scratch, ActBuf* out_act, bool context_l2, bool one_pass) {
   if (n <= 0) return;
   (void)k_off;
   MERLIN_CHECK(head_dim % 8 == 0 && head_dim <= 256, "the CUDA attention kernel needs a head size that is a multiple "
@@ -758,7 +762,11 @@ void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32
   static const bool wide_on = !env_is("MERLIN_CUDA_ATTN_WIDE", "0");
   const int kind = kv.q8 ? kKvQ8 : kv.f16 ? kKvF16 : kKvF32;
   const int per_sm = kind == kKvQ8 ? 1 : 2;  // the Q8_0 instance with hoisted rows needs ~190 registers
-  const bool hoist = hoist_on && (int64_t)grid.x * grid.y * grid.z <= per_sm * (int64_t)sm_count;
+  // Contexts of one plain pass take the plain instance: its one pass gives the same bits as the hoisted
+  // instance's, in shorter code (H200 base q4_0 tg128, 2026-12-01: 4,678-4,687 -> 4,758-4,762 t/s;
+  // the backend uses it for heads of up to 64, cuda_backend.cpp).
+  const bool hoist =
+      hoist_on && !one_pass && (int64_t)grid.x * grid.y * grid.z <= per_sm * (int64_t)sm_count;
   // The prefetch needs rows of whole 16-byte units (a Q8_0 row of hd codes: hd % 16 == 0). Only where the grid
   // fits one wave (decode): a larger grid's later CTAs start after the wait anyway. Not after a QKV product
   // that prefetched the context itself, which began several microseconds earlier: the slot lookups here

@@ -177,7 +177,25 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   cuda::attention_prepare(n_ctx_);
   attn_scratch_ = cuda::attention_scratch_alloc(std::min(max_batch_, kGraphMaxTokens), (int)c_.n_heads,
                                                 (int)c_.head_dim(), n_ctx_);
+  // Heads of up to 64 only: H200 tg128 (2026-12-01), on / off: base q4_0 4,758-4,762 / 4,678-4,687 t/s, q8_0
+  // 4,458-4,461 / 4,453-4,457; with 128-dim heads iphone q4_0 1,230-1,231 / 1,229-1,230, macbook q4_0 747.5 /
+  // 750.6 (the hoisted instance's wider pass pays there).
+  const bool one_pass = env_is("MERLIN_CUDA_ATTN_ONE_PASS", "1") ||
+                        (!env_is("MERLIN_CUDA_ATTN_ONE_PASS", "0") && c_.head_dim() <= 64);
+  if (one_pass) {
+    cuda::KvArgs kv;
+    kv.q8 = kv_q8_;
+    attn_one_pass_ = cuda::attention_one_pass_positions((int)c_.head_dim(), kv);
+    // Beyond a split's chunk a token alone would get the unsplit numerics and among longer contexts the
+    // split ones: the class must not change a token's bits.
+    if (attn_scratch_.n_split > 1) attn_one_pass_ = std::min(attn_one_pass_, attn_scratch_.chunk);
+  }
   cuda::sync_device();
+}
+
+int CudaBackend::attn_class(int max_pos) const {
+  if (max_pos < attn_one_pass_) return kAttnOnePass;
+  return attn_scratch_.n_split > 1 && max_pos < attn_scratch_.chunk ? kAttnShort : kAttnSplit;
 }
 
 CudaBackend::~CudaBackend() {
@@ -444,13 +462,12 @@ int CudaBackend::decode_sample(int32_t token, int32_t pos, int seq, std::span<co
 int CudaBackend::decode_looped(int32_t token, int32_t pos, int seq, int n_steps, const RowSampling* rows,
                                const std::function<bool(int32_t)>& on_token) {
   std::vector<int32_t> ids((size_t)chain_max_);
-  // Whether position p's attention fits the unsplit launch (attn_short_now_): a loop's steps must agree.
-  const auto short_at = [&](int p) { return attn_scratch_.n_split > 1 && p < attn_scratch_.chunk; };
   int done = 0;
   while (done < n_steps) {
     const int p0 = pos + done;
     int k = std::min(chain_max_, n_steps - done);
-    if (short_at(p0) && !short_at(p0 + k - 1)) k = attn_scratch_.chunk - p0;
+    // A loop's steps share one attention launch (attn_class): stop where the class changes.
+    while (k > 1 && attn_class(p0 + k - 1) != attn_class(p0)) --k;
     k -= k % loop_unroll_;  // whole iterations; the rest one step at a time
     const int got = loops_broken_ || k == 0 ? 0 : run_loop(token, p0, seq, k, rows ? rows + done : nullptr, ids.data());
     for (int i = 0; i < got; ++i) {
@@ -474,8 +491,8 @@ int CudaBackend::decode_looped(int32_t token, int32_t pos, int seq, int n_steps,
 // The loop graph: [state in] -> while (condition) { loop_unroll_ steps } -> [state out]. Built from the
 // graph API around the captured body, since stream capture cannot make the while node itself. Null (and
 // loops_broken_, with a warning) where the driver refuses it.
-cudaGraphExec_t CudaBackend::loop_graph(bool sampled, bool short_attn) {
-  Loop& l = loops_[sampled][short_attn];
+cudaGraphExec_t CudaBackend::loop_graph(bool sampled, int attn_class) {
+  Loop& l = loops_[sampled][attn_class];
   if (l.exec) return l.exec;
   cudaGraph_t g = nullptr, body = nullptr;
   cudaGraphExec_t exec = nullptr;
@@ -510,7 +527,7 @@ cudaGraphExec_t CudaBackend::loop_graph(bool sampled, bool short_attn) {
       io.chain_handle = (unsigned long long)handle;
       io.chain_slot = u & 1;
       flash_now_ = false;
-      attn_short_now_ = short_attn;
+      attn_class_now_ = attn_class;
       enqueue(1, 1, sampled ? Output::DeviceLogits : Output::GreedyIds, io);
       if (sampled)
         cuda::sample_rows(logits_, c_.vocab_size, 1, c_.vocab_size, &d_chain_->cur, d_adjust_, &d_chain_->token,
@@ -540,9 +557,9 @@ int CudaBackend::run_loop(int32_t token, int32_t pos, int seq, int k, const RowS
     check.add(token, pos + i, seq, true);
     validate(check);
   }
-  const bool short_attn = attn_scratch_.n_split > 1 && pos < attn_scratch_.chunk;
-  const bool first = !loops_[rows != nullptr][short_attn].exec;
-  const cudaGraphExec_t exec = loop_graph(rows != nullptr, short_attn);
+  const int cls = attn_class(pos);
+  const bool first = !loops_[rows != nullptr][cls].exec;
+  const cudaGraphExec_t exec = loop_graph(rows != nullptr, cls);
   if (!exec) return 0;
   cuda::ChainState& st = *h_chain_;
   st.token = token;
@@ -590,16 +607,14 @@ int CudaBackend::run_step(const Batch& batch, Output out) {
   flash_now_ = !graph_step && flash_min_ > 0 && n >= flash_min_ &&
                cuda::flash_attention_supported((int)c_.head_dim(), kv_probe);
   if (flash_now_) n_tiles_ = cuda::make_attention_tiles(batch.pos.data(), batch.seq.data(), n, h_tiles_);
-  attn_short_now_ = attn_scratch_.n_split > 1 &&
-                    *std::max_element(batch.pos.begin(), batch.pos.end()) < attn_scratch_.chunk;
+  attn_class_now_ = attn_class(*std::max_element(batch.pos.begin(), batch.pos.end()));
   const auto queue_step = [&] {
     MERLIN_CUDA_CHECK(cudaMemcpyAsync(d_in_, h_in_, in_words() * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
     enqueue(n, n_out, out, step_io());
   };
   if (graph_step) {
-    // A step's graph depends on whether its attention is split (attn_short_now_).
-    const cudaGraphExec_t exec =
-        graph_for(std::make_tuple(n, n_out, (int)out + (attn_short_now_ ? 16 : 0)), queue_step, captured);
+    // A step's graph depends on how its attention launches (attn_class_now_).
+    const cudaGraphExec_t exec = graph_for(std::make_tuple(n, n_out, (int)out + 16 * attn_class_now_), queue_step, captured);
     launch_graph(exec);
   } else {
     queue_step();

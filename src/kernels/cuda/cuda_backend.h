@@ -143,7 +143,7 @@ class CudaBackend final : public Backend {
   cudaGraphExec_t graph_for(const std::tuple<int, int, int>& shape, const std::function<void()>& queue_step,
                             bool& captured);
   // Decode loops (decode_greedy, decode_sample): one graph per kind (greedy or sampled) and attention launch
-  // (attn_short_now_) holds a while node whose body is loop_unroll_ one-token steps; each reads its input
+  // (attn_class_now_) holds a while node whose body is loop_unroll_ one-token steps; each reads its input
   // from the ChainState (ops.h), whose bookkeeping the first layer's preparation does (PrepArgs::chain). A
   // launch runs k steps (an even number up to chain_max_, set in the state the graph's first node copies
   // in) and copies the ids back. So a loop costs one body's capture, whatever its length, where a graph of k
@@ -158,11 +158,11 @@ class CudaBackend final : public Backend {
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
   };
-  Loop loops_[2][2];           // [sampled][short attention]
+  Loop loops_[2][3];           // [sampled][attention class]
   int loop_unroll_ = 2;
   bool loops_broken_ = false;  // building a loop graph failed once (warned): single steps from then on
   bool loops_apply(bool sampled) const;
-  cudaGraphExec_t loop_graph(bool sampled, bool short_attn);
+  cudaGraphExec_t loop_graph(bool sampled, int attn_class);
   // Runs k steps from (token, pos, seq) in one loop launch; ids gets the steps' ids, ending early at a
   // negative one (a draw left to the host). rows: the k steps' draws, or null (greedy). Returns the ids got.
   int run_loop(int32_t token, int32_t pos, int seq, int k, const RowSampling* rows, int32_t* ids);
@@ -246,9 +246,16 @@ class CudaBackend final : public Backend {
   cuda::AttnTile* d_tiles_ = nullptr;
   cuda::AttnScratch attn_scratch_;  // split-K attention for decode-sized steps on long contexts
   bool split_attention_ = true;     // MERLIN_CUDA_SPLITK=0: one CTA per (head, token) over the whole context
-  // This step's tokens all lie within one split's chunk: the unsplit launch gives the same bits without the
-  // splits that would exit at once (base tg128 on the H200: 4,460 -> 4,575 t/s with a 512-position context).
-  bool attn_short_now_ = false;
+  // How this step's attention launches, from its largest position (attn_class): kAttnSplit, kAttnShort (every
+  // token within one split's chunk: the unsplit launch gives the same bits without the splits that would exit
+  // at once; base tg128 on the H200: 4,460 -> 4,575 t/s with a 512-position context) or kAttnOnePass (also
+  // within one pass of the kernel's plain instance, cuda::attention's one_pass). Graphs and loops are
+  // captured per class. kAttnOnePass for heads of up to 64 (MERLIN_CUDA_ATTN_ONE_PASS=0: never, =1: any
+  // head size; A/B timing).
+  static constexpr int kAttnSplit = 0, kAttnShort = 1, kAttnOnePass = 2;
+  int attn_class(int max_pos) const;
+  int attn_class_now_ = kAttnSplit;
+  int attn_one_pass_ = 0;  // positions below which kAttnOnePass applies (0: never)
   std::unique_ptr<cuda::GemmRunner> gemm_;
   size_t kv_elem_;  // bytes per cached element (Q8_0: its int8 code)
   bool kv_q8_ = false;

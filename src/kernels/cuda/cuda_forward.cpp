@@ -260,7 +260,8 @@ void CudaBackend::enqueue(int n, int n_out, Output out, const StepIo& io) {
                               stream_);
       else
         cuda::attention(qkv_, qkv_ld, k_off, n, pos, seq, (int)c_.n_heads, (int)c_.n_kv_heads, hd, n_ctx_, kv, att_,
-                        stream_, split_attention_ && !attn_short_now_ ? &attn_scratch_ : nullptr, wo_in, context_l2);
+                        stream_, split_attention_ && attn_class_now_ == kAttnSplit ? &attn_scratch_ : nullptr, wo_in,
+                        context_l2, attn_class_now_ == kAttnOnePass);
       return true;
     });
     cuda::PrepArgs plain{cuda::Prep::Plain, att_, q_dim, nullptr, 0, 0, nullptr};

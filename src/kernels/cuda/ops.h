@@ -278,10 +278,14 @@ void attention_scratch_free(AttnScratch& s);
 // several splits and n <= scratch->max_tokens the positions are split; a token with pos[t] < chunk still gets
 // the unsplit result bit for bit. Without (null, or a larger batch) every (head, token) is one CTA.
 // context_l2: the QKV product already asked the K/V rows into L2 (matmul_rope_kv's *context_l2), so the
-// kernel does not prefetch them itself.
+// kernel does not prefetch them itself. one_pass: every token's pos[t] < attention_one_pass_positions (the
+// caller knows; a graph captured with it is valid only while that holds), the same bits from shorter code.
 void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32_t* d_pos, const int32_t* d_seq,
                int n_heads, int n_kv_heads, int head_dim, int n_ctx, const KvArgs& kv, float* d_out, Stream stream,
-               const AttnScratch* scratch = nullptr, ActBuf* out_act = nullptr, bool context_l2 = false);
+               const AttnScratch* scratch = nullptr, ActBuf* out_act = nullptr, bool context_l2 = false,
+               bool one_pass = false);
+// Positions (from 0) whose attention the kernel's plain instance does in one pass of its loads.
+int attention_one_pass_positions(int head_dim, const KvArgs& kv);
 // Whether attention() can also write its output as the next product's input (out_act, row length
 // n_heads * head_dim, the codes a Plain prep_act would write): Q8_0 blocks (head_dim % 32 == 0), F16, BF16.
 bool attention_emits(ActKind kind, int head_dim);
