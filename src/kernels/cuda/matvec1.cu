@@ -534,10 +534,13 @@ int l2_items(const Matrix& w) {
   return aligned ? n : 0;
 }
 
-// MERLIN_CUDA_MV1_TIE=0 (read once): ties go to the smaller S whatever the warps they keep busy (A/B timing).
-bool tie_by_warps() {
-  static const bool on = !env_is("MERLIN_CUDA_MV1_TIE", "0");
-  return on;
+// Whether ties go to the split that keeps more warps busy, for weights of format f: not for TQ2_0, whose
+// rounds are short (H200 tg128, 2026-12-01, with the rule / without: iphone tq2_0 1,370-1,372 / 1,413-1,415
+// t/s, macbook tq2_0 851-852 / 852-853, base tq2_0 3,988-3,990 / 3,984; the rule keeps iphone q4_0 at 1,228
+// against 1,213, q4_k 1,049 against 1,031). MERLIN_CUDA_MV1_TIE=0 / =1 (read once): never / every format.
+bool tie_by_warps(int f) {
+  static const int mode = env_is("MERLIN_CUDA_MV1_TIE", "0") ? 0 : env_is("MERLIN_CUDA_MV1_TIE", "1") ? 1 : 2;
+  return mode == 1 || (mode == 2 && f != kTQ2);
 }
 
 // Warps per tile S = 2^lsplit: the one that minimizes the busiest CTA's work, (tile groups per CTA) x
@@ -547,7 +550,7 @@ bool tie_by_warps() {
 // Norm variant's CTAs have 16 warps and 2 <= S <= 8 (a group is 32 to 128 rows, whole Q8_0 blocks in whole
 // warps of finish_group). H200 tg128 (2026-11-30): the busy-warps tie gains iphone q4_0 0.3-0.6 %; base,
 // macbook and the Q8_0 models choose as before.
-void choose_split(Mv1Args& p, int64_t ctas, bool glu, bool norm = false) {
+void choose_split(Mv1Args& p, int64_t ctas, bool tie, bool glu, bool norm = false) {
   const int W = norm ? kNormWarps : kWarps, lo = norm ? 1 : 0, hi = glu ? 1 : 3;
   auto per_group = [&](int l) { return glu ? (W >> l) / 2 : W >> l; };
   const int64_t tiles = glu ? p.glu_tiles : p.tiles;
@@ -560,7 +563,7 @@ void choose_split(Mv1Args& p, int64_t ctas, bool glu, bool norm = false) {
     // Warps with chunks to stream at once: resident CTAs x tiles per group x warps per tile that get a round.
     const int64_t busy = std::min(groups, ctas) * (W >> l) *
                          std::min<int64_t>(1 << l, (p.n_chunks + kRound - 1) / kRound);
-    if (cost < best || (tie_by_warps() && cost == best && busy > best_busy)) best = cost, best_busy = busy, ls = l;
+    if (cost < best || (tie && cost == best && busy > best_busy)) best = cost, best_busy = busy, ls = l;
   }
   if (g_split_override >= 0) ls = std::clamp(g_split_override, lo, hi);
   p.lsplit = ls;
@@ -623,7 +626,7 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
   const int v = variant_of(mb, epi, exact);
   const int per_sm = std::max(1, g_resident[F][v][(w.k - 1) / kKBucket]);
   const int64_t ctas = (int64_t)g_sm_count * per_sm;
-  choose_split(p, ctas, epi == kEpiGlu, epi == kEpiNorm);
+  choose_split(p, ctas, tie_by_warps(F), epi == kEpiGlu, epi == kEpiNorm);
   const unsigned grid = (unsigned)std::min<int64_t>(p.groups, ctas);
   const size_t smem = x.glu_src ? smem_bytes_glu<F>(w.k) : smem_bytes<F>(w.k);
   void (*kernel)(Mv1Args) = v == kArgmaxX  ? mv1_kernel<F, 2, kEpiArgmax, true>
@@ -691,7 +694,7 @@ static int plain_split(const Matrix& w) {
   p.tiles = (int)geo.tiles;
   p.n_chunks = (int)geo.n_chunks;
   const int per_sm = std::max(1, g_resident[w.fmt][kPlain2][(w.k - 1) / kKBucket]);
-  choose_split(p, (int64_t)g_sm_count * per_sm, false);
+  choose_split(p, (int64_t)g_sm_count * per_sm, tie_by_warps(w.fmt), false);
   return p.lsplit;
 }
 
