@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <numeric>
 #include <set>
@@ -453,8 +454,9 @@ LoopPair loop_pair(const Model& m, int n_prompt, bool long_decode) {
 
 // decode_greedy runs its steps in device-side loops, each step's token the previous step's argmax on the
 // device: the same ids as one forward_greedy per step (MERLIN_CUDA_CHAIN=0), with the argmax in the head's
-// product or after it, before and after the position (256) where the attention starts to split (a loop
-// stops there); and a stop mid-run loses nothing: a second call from the last delivered id continues as the
+// product or after it, before and after the positions where the attention's launch changes (a loop stops
+// there): 128, past which a 64-dim head no longer fits one pass of the plain instance, and 256, where the
+// attention starts to split; and a stop mid-run loses nothing: a second call from the last delivered id continues as the
 // uninterrupted run. The loops must run (no fallback to single steps, which would also give these ids).
 TEST(CudaBackend, DecodeGreedyLoopsMatchSingleSteps) {
   REQUIRE_GPU();
@@ -464,16 +466,18 @@ TEST(CudaBackend, DecodeGreedyLoopsMatchSingleSteps) {
   // Q4_0: the head's product finds the argmax (its key feeds the next step); BF16: argmax_rows writes the id.
   // long_decode: loops of 24 and 48 steps (8 per iteration) around single steps at 254 and 255.
   for (DType t : {DType::Q4_0, DType::BF16}) {
-    for (bool long_decode : {false, true}) {
-      SCOPED_TRACE(std::string(dtype_name(t)) + (long_decode ? " long_decode" : ""));
+    for (auto [long_decode, n_prompt] : {std::pair{false, 230}, std::pair{true, 230}, std::pair{false, 100}}) {
+      SCOPED_TRACE(std::string(dtype_name(t)) + (long_decode ? " long_decode" : "") + " from " +
+                   std::to_string(n_prompt));
       const std::string path = dir.file(std::string("chain-") + dtype_name(t) + ".gguf");
-      if (!long_decode) quantize_to(f32, path, t);
+      if (!std::filesystem::exists(path)) quantize_to(f32, path, t);
       auto m = Model::load(path);
       const int64_t vocab = m->config().vocab_size;
-      const LoopPair lp = loop_pair(*m, 230, long_decode);
+      const LoopPair lp = loop_pair(*m, n_prompt, long_decode);
       Backend *single = lp.single.get(), *chained = lp.looped.get();
       const int32_t first = lp.first;
-      const int start = lp.start, n = 75;  // loops of 16, 10 (to position 256), 16, 16, 16, one step
+      // From 230: loops of 16, 10 (to position 256), 16, 16, 16, one step; from 100: to 128, then on.
+      const int start = lp.start, n = 75;
       std::vector<int32_t> want;
       int32_t tok = first;
       for (int i = 0; i < n; ++i) {
