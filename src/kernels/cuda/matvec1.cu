@@ -534,13 +534,15 @@ int l2_items(const Matrix& w) {
   return aligned ? n : 0;
 }
 
-// Whether ties go to the split that keeps more warps busy, for weights of format f: not for TQ2_0, whose
-// rounds are short (H200 tg128, 2026-12-01, with the rule / without: iphone tq2_0 1,370-1,372 / 1,413-1,415
-// t/s, macbook tq2_0 851-852 / 852-853, base tq2_0 3,988-3,990 / 3,984; the rule keeps iphone q4_0 at 1,228
-// against 1,213, q4_k 1,049 against 1,031). MERLIN_CUDA_MV1_TIE=0 / =1 (read once): never / every format.
-bool tie_by_warps(int f) {
+// Whether ties go to the split that keeps more warps busy, for weights of format f and the Glu variant or
+// not: not for TQ2_0, whose rounds are short, nor for the Glu variant (macbook's gate/up: S = 2 against 1).
+// H200 tg128, 2026-12-01, with the rule / without: iphone tq2_0 1,370-1,372 / 1,413-1,415 t/s, macbook tq2_0
+// 851-852 / 852-853, base tq2_0 3,988-3,990 / 3,984; for the Glu variant macbook q4_0 750.1-751.3 /
+// 752.8-753.4, q4_k 587.9-588.0 / 588.4-589.1 (iphone unchanged); it pays for iphone's QKV (S = 4 against 2): q4_0 1,228 against 1,213, q4_k 1,049
+// against 1,031. MERLIN_CUDA_MV1_TIE=0 / =1 (read once): never / every format and variant (A/B timing).
+bool tie_by_warps(int f, bool glu) {
   static const int mode = env_is("MERLIN_CUDA_MV1_TIE", "0") ? 0 : env_is("MERLIN_CUDA_MV1_TIE", "1") ? 1 : 2;
-  return mode == 1 || (mode == 2 && f != kTQ2);
+  return mode == 1 || (mode == 2 && f != kTQ2 && !glu);
 }
 
 // Warps per tile S = 2^lsplit: the one that minimizes the busiest CTA's work, (tile groups per CTA) x
@@ -626,7 +628,7 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
   const int v = variant_of(mb, epi, exact);
   const int per_sm = std::max(1, g_resident[F][v][(w.k - 1) / kKBucket]);
   const int64_t ctas = (int64_t)g_sm_count * per_sm;
-  choose_split(p, ctas, tie_by_warps(F), epi == kEpiGlu, epi == kEpiNorm);
+  choose_split(p, ctas, tie_by_warps(F, epi == kEpiGlu), epi == kEpiGlu, epi == kEpiNorm);
   const unsigned grid = (unsigned)std::min<int64_t>(p.groups, ctas);
   const size_t smem = x.glu_src ? smem_bytes_glu<F>(w.k) : smem_bytes<F>(w.k);
   void (*kernel)(Mv1Args) = v == kArgmaxX  ? mv1_kernel<F, 2, kEpiArgmax, true>
@@ -694,7 +696,7 @@ static int plain_split(const Matrix& w) {
   p.tiles = (int)geo.tiles;
   p.n_chunks = (int)geo.n_chunks;
   const int per_sm = std::max(1, g_resident[w.fmt][kPlain2][(w.k - 1) / kKBucket]);
-  choose_split(p, (int64_t)g_sm_count * per_sm, tie_by_warps(w.fmt), false);
+  choose_split(p, (int64_t)g_sm_count * per_sm, tie_by_warps(w.fmt, false), false);
   return p.lsplit;
 }
 
