@@ -108,7 +108,7 @@ std::vector<Case> cases(DType type) {
   const int64_t kb = (int64_t)dtype_info(type).block_size;
   std::vector<Case> out;
   for (int64_t rows : {1, 15, 16, 17, 50})
-    for (int64_t n_tokens : {1, 3, 8, 9, 70}) out.push_back({rows, 3 * kb, n_tokens, 0, rows, rows});
+    for (int64_t n_tokens : {1, 3, 8, 9, 12, 13, 32, 70, 130}) out.push_back({rows, 3 * kb, n_tokens, 0, rows, rows});
   out.push_back({40, kb, 5, 16, 37, 45});           // sub-range starting at a group, ending inside one
   out.push_back({70, 768, 20, 32, 70, 71});         // ldy beyond the rows
   out.push_back({33, 16384, 2, 0, 33, 33});         // huge k
