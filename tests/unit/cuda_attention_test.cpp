@@ -404,8 +404,8 @@ TEST(CudaAttention, OnePassLaunchMatchesTheHoistedOne) {
       const std::vector<Token> batch = {{0, 0}, {1, bound / 2}, {2, bound - 1}, {0, bound - 2}};
       SCOPED_TRACE("cache kind " + std::to_string(kind) + ", head size " + std::to_string(hd) + ", bound " +
                    std::to_string(bound));
-      const RandomAttention a(hd, 4, 2, kind == 0, batch, std::max(256, (bound + 15) / 16 * 16), (uint32_t)(kind * 100 + hd),
-                              kind == 2);
+      const int n_ctx = std::max(256, (bound + 15) / 16 * 16);
+      const RandomAttention a(hd, 4, 2, kind == 0, batch, n_ctx, (uint32_t)(kind * 100 + hd), kind == 2);
       const std::vector<float> hoisted = a.per_token(), plain = a.per_token(nullptr, nullptr, true);
       ASSERT_EQ(hoisted.size(), plain.size());
       EXPECT_EQ(std::memcmp(hoisted.data(), plain.data(), plain.size() * sizeof(float)), 0);

@@ -456,8 +456,9 @@ LoopPair loop_pair(const Model& m, int n_prompt, bool long_decode) {
 // device: the same ids as one forward_greedy per step (MERLIN_CUDA_CHAIN=0), with the argmax in the head's
 // product or after it, before and after the positions where the attention's launch changes (a loop stops
 // there): 128, past which a 64-dim head no longer fits one pass of the plain instance, and 256, where the
-// attention starts to split; and a stop mid-run loses nothing: a second call from the last delivered id continues as the
-// uninterrupted run. The loops must run (no fallback to single steps, which would also give these ids).
+// attention starts to split; and a stop mid-run loses nothing: a second call from the last delivered id
+// continues as the uninterrupted run. The loops must run (no fallback to single steps, which would also give
+// these ids).
 TEST(CudaBackend, DecodeGreedyLoopsMatchSingleSteps) {
   REQUIRE_GPU();
   test::TempDir dir;

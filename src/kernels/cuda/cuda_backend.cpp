@@ -614,7 +614,8 @@ int CudaBackend::run_step(const Batch& batch, Output out) {
   };
   if (graph_step) {
     // A step's graph depends on how its attention launches (attn_class_now_).
-    const cudaGraphExec_t exec = graph_for(std::make_tuple(n, n_out, (int)out + 16 * attn_class_now_), queue_step, captured);
+    const cudaGraphExec_t exec =
+        graph_for(std::make_tuple(n, n_out, (int)out + 16 * attn_class_now_), queue_step, captured);
     launch_graph(exec);
   } else {
     queue_step();

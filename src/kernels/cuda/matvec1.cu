@@ -538,8 +538,9 @@ int l2_items(const Matrix& w) {
 // not: not for TQ2_0, whose rounds are short, nor for the Glu variant (macbook's gate/up: S = 2 against 1).
 // H200 tg128, 2026-12-01, with the rule / without: iphone tq2_0 1,370-1,372 / 1,413-1,415 t/s, macbook tq2_0
 // 851-852 / 852-853, base tq2_0 3,988-3,990 / 3,984; for the Glu variant macbook q4_0 750.1-751.3 /
-// 752.8-753.4, q4_k 587.9-588.0 / 588.4-589.1 (iphone unchanged); it pays for iphone's QKV (S = 4 against 2): q4_0 1,228 against 1,213, q4_k 1,049
-// against 1,031. MERLIN_CUDA_MV1_TIE=0 / =1 (read once): never / every format and variant (A/B timing).
+// 752.8-753.4, q4_k 587.9-588.0 / 588.4-589.1 (iphone unchanged). It pays for iphone's QKV (S = 4 against
+// 2): q4_0 1,228 against 1,213, q4_k 1,049 against 1,031. MERLIN_CUDA_MV1_TIE=0 / =1 (read once): never /
+// every format and variant (A/B timing).
 bool tie_by_warps(int f, bool glu) {
   static const int mode = env_is("MERLIN_CUDA_MV1_TIE", "0") ? 0 : env_is("MERLIN_CUDA_MV1_TIE", "1") ? 1 : 2;
   return mode == 1 || (mode == 2 && f != kTQ2 && !glu);
