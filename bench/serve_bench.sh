@@ -6,7 +6,8 @@
 # Environment: MERLIN_BIN (default build/bin/merlin), THREADS (default 2), LEVELS (default "1 4 16 32"),
 # STREAM (default 1; 0: non-streaming requests, whose TTFT column is then the whole request's time),
 # CLIENT (default node: bench/serve_load.mjs; cpp: bench/serve_load.cpp's binary beside MERLIN_BIN, which takes
-# less of the two cores the server shares with it: the default model +23-27 % at one client, +10-16 % at 32).
+# less of the two cores the server shares with it: the default model +23-27 % at one client, +10-16 % at 32),
+# SERVE_ARGS (extra `merlin serve` options, e.g. "--stream-interval-ms 0").
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 merlin=${MERLIN_BIN:-$root/build/bin/merlin}
@@ -26,7 +27,9 @@ cleanup() {
 trap cleanup EXIT
 
 start_server() {  # start_server MODEL: --port 0, then the port from the startup line, then /health
-  env -u OPENBLAS_CORETYPE "$merlin" serve -m "$1" --port 0 --parallel 32 -t "$threads" -q 2>"$tmp/server.log" &
+  # shellcheck disable=SC2086
+  env -u OPENBLAS_CORETYPE "$merlin" serve -m "$1" --port 0 --parallel 32 -t "$threads" -q ${SERVE_ARGS:-} \
+    2>"$tmp/server.log" &
   server_pid=$!
   for _ in $(seq 1 600); do
     port=$(grep -o 'listening on http://[^:]*:[0-9]*' "$tmp/server.log" | grep -o '[0-9]*$' || true)

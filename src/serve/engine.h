@@ -89,6 +89,10 @@ struct EngineOptions {
   // meanwhile waits for the call to end. -1: 16 where the backend loops on the device (loops_decode), else 0
   // (off); MERLIN_SERVE_DECODE_LOOP=N overrides the automatic choice.
   int decode_loop = -1;
+  // A streamed token may be held this long (at most StreamState::kMaxHoldSeconds) so that it goes out with
+  // the tokens after it: fewer wake-ups of the connection threads (Scheduler::min_hold). 0: every token as
+  // soon as it is made. The first token of a request is never held.
+  double stream_interval_ms = 0;
 };
 
 struct EngineStats {

@@ -31,8 +31,8 @@ void StreamState::cancel() {
   if (on_cancel_) on_cancel_();  // wakes an idle engine so the blocks go back now
 }
 
-bool StreamState::push(TokenEvent event, size_t wake_at) {
-  bool wake = event.finish != FinishReason::None || wake_at <= 1;
+bool StreamState::push(TokenEvent event, size_t wake_at, double min_hold) {
+  bool wake = event.finish != FinishReason::None || (wake_at <= 1 && min_hold <= 0);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (events_.empty()) held_since_ = 0;  // the consumer took everything: nothing is held any more
@@ -40,7 +40,8 @@ bool StreamState::push(TokenEvent event, size_t wake_at) {
     if (!wake) {
       const double now = now_seconds();
       if (held_since_ == 0) held_since_ = now;
-      wake = events_.size() >= wake_at || now - held_since_ >= kMaxHoldSeconds;
+      const double held = now - held_since_;
+      wake = (events_.size() >= wake_at && held >= min_hold) || held >= kMaxHoldSeconds;
     }
     if (wake) held_since_ = 0;
   }
@@ -49,6 +50,16 @@ bool StreamState::push(TokenEvent event, size_t wake_at) {
     cv_.notify_all();
   }
   return wake;
+}
+
+void StreamState::flush() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (events_.empty() || held_since_ == 0) return;
+    held_since_ = 0;
+  }
+  wakeups_.fetch_add(1, std::memory_order_relaxed);
+  cv_.notify_all();
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -276,6 +287,7 @@ bool Scheduler::ensure_blocks(Sequence& s, int n_positions) {
 
 void Scheduler::preempt(Sequence& s) {
   release_blocks(s);
+  s.stream->flush();  // what it made so far goes out now, not when it runs again
   s.n_computed = 0;
   ++stats_.preemptions;
   // Back to the waiting queue at its arrival place, ahead of younger requests. The object does not move
@@ -474,6 +486,16 @@ size_t Scheduler::wake_at(const Sequence& s) const {
   return std::max<size_t>(events_per_wakeup(), (size_t)std::max(s.request().wake_every, 0));
 }
 
+// EngineOptions::stream_interval_ms: a token waits for the ones after it for up to that long, so that the
+// connection thread is woken once per group rather than once per token. Its wake-up costs a context switch
+// on the cores the forward pass runs on: one streaming client on two cores decoded `base` Q4_0 ~17 % slower
+// than a non-streaming one (docs/BENCHMARKS.md). With many sequences the groups of events_per_wakeup()
+// are already longer than that.
+double Scheduler::min_hold(const Sequence& s) const {
+  (void)s;
+  return opts_.stream_interval_ms / 1000.0;
+}
+
 void Scheduler::sample(Sequence& s, const float* logits) {
   const GenerationRequest& req = s.request();
   TokenEvent ev;
@@ -491,7 +513,7 @@ void Scheduler::score_prompt(Sequence& s, const float* rows, int n_rows) {
     ev.prompt = true;
     ev.token = s.tokens[(size_t)s.n_scored];
     ev.logprob = token_logprob(rows + (size_t)i * vocab_, vocab_, ev.token, top_n, &ev.top_logprobs);
-    s.stream->push(std::move(ev), wake_at(s));
+    s.stream->push(std::move(ev), wake_at(s), min_hold(s));
     ++s.n_scored;
   }
 }
@@ -510,7 +532,8 @@ void Scheduler::emit(Sequence& s, TokenEvent ev) {
     ev.finish = FinishReason::Length;
     finish(s, std::move(ev));
   } else {
-    s.stream->push(std::move(ev), s.n_generated == 1 ? 1 : wake_at(s));
+    if (s.n_generated == 1) s.stream->push(std::move(ev));  // the first token at once (time to first token)
+    else s.stream->push(std::move(ev), wake_at(s), min_hold(s));
   }
 }
 

@@ -48,10 +48,12 @@ class StreamState final : public RequestStream {
   const GenerationRequest& request() const { return request_; }
   bool cancelled() const { return cancelled_.load(); }
   void set_cached_prompt(int n) { cached_.store(n); }
-  // Queues an event. A consumer waiting in next() is woken only once `wake_at` events are queued, the
-  // oldest of them waited kMaxHoldSeconds, or the event ends the request (next() returns whatever is
-  // queued, woken or not). Returns whether it woke the consumer.
-  bool push(TokenEvent event, size_t wake_at = 1);
+  // Queues an event. A consumer waiting in next() is woken once `wake_at` events are queued and the oldest
+  // of them has waited `min_hold` seconds, once that one has waited kMaxHoldSeconds, or when the event ends
+  // the request (next() returns whatever is queued, woken or not). Returns whether it woke the consumer.
+  bool push(TokenEvent event, size_t wake_at = 1, double min_hold = 0);
+  // Wakes the consumer if events are held (their sequence stops making tokens for a while: preempted).
+  void flush();
   int wakeups() const { return wakeups_.load(); }  // push() calls that woke the consumer
 
  private:
@@ -110,7 +112,8 @@ class Scheduler {
   void sample(Sequence& s, const float* logits);
   void score_prompt(Sequence& s, const float* rows, int n_rows);
   void emit(Sequence& s, TokenEvent ev);  // the sampled token: append, stream, finish
-  size_t wake_at(const Sequence& s) const;  // push()'s wake_at for s's events
+  size_t wake_at(const Sequence& s) const;  // push()'s wake_at and min_hold for s's events
+  double min_hold(const Sequence& s) const;
   bool greedy_step() const;
   bool backend_sample_step() const;
   void build_row_sampling();

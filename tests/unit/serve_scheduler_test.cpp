@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/rng.h"
+#include "core/sys.h"
 #include "serve/scheduler.h"
 #include "serve_test_util.h"
 
@@ -457,6 +458,36 @@ TEST_F(ServeScheduler, WakeEveryGroupsAConsumersWakeups) {
   }
 }
 
+// EngineOptions::stream_interval_ms at the bound (kMaxHoldSeconds): a lone streaming request whose 20 tokens
+// take less than that wakes its consumer for the first token and the end only; the tokens are unchanged.
+TEST_F(ServeScheduler, StreamIntervalHoldsTokensOfALoneSequence) {
+  std::vector<int32_t> first;
+  for (double interval : {0.0, StreamState::kMaxHoldSeconds * 1000}) {
+    EngineOptions eo;
+    eo.stream_interval_ms = interval;
+    make(2, 32, eo);
+    auto s = submit(greedy(prompt_of(10, 3), 20));
+    test::StreamOutput out;
+    int seen = 0;
+    const double t0 = now_seconds();
+    while (!sched_->idle()) {
+      sched_->step();
+      if (s->wakeups() == seen) continue;
+      seen = s->wakeups();
+      out = test::take(*s, std::move(out));
+    }
+    const bool slow = now_seconds() - t0 >= StreamState::kMaxHoldSeconds;  // a loaded machine: the bound applies
+    EXPECT_EQ(out.tokens.size(), 20u) << "interval " << interval;
+    if (first.empty()) first = out.tokens;
+    EXPECT_EQ(out.tokens, first) << "interval " << interval;
+    if (interval == 0) {
+      EXPECT_EQ(s->wakeups(), 20);
+    } else if (!slow) {
+      EXPECT_EQ(s->wakeups(), 2);
+    }
+  }
+}
+
 // With many sequences running the engine wakes a consumer once per group of tokens; whatever is queued is
 // still there for next(), and the end of a request, a group's last token or a held token's age wakes it.
 TEST(ServeStreamState, WakesTheConsumerPerGroupOfTokens) {
@@ -483,6 +514,41 @@ TEST(ServeStreamState, WakesTheConsumerPerGroupOfTokens) {
   EXPECT_TRUE(s.push(last, 100));
   out = test::take(s, std::move(out));
   EXPECT_EQ(out.tokens, (std::vector<int32_t>{10, 11, 12, 13, 14, 15, 16, 17, 18}));
+  EXPECT_EQ(out.finish, FinishReason::Length);
+}
+
+// min_hold (EngineOptions::stream_interval_ms): a token waits for the ones after it until the oldest held one
+// has waited min_hold, even when each alone would wake the consumer; the end of the request and flush() (a
+// preempted sequence) do not wait.
+TEST(ServeStreamState, MinHoldGroupsTokensByAge) {
+  StreamState s(greedy({1, 2, 3}, 8), nullptr);
+  auto token = [](int32_t id) {
+    TokenEvent e;
+    e.token = id;
+    return e;
+  };
+  const double hold = StreamState::kMaxHoldSeconds / 2;
+  EXPECT_FALSE(s.push(token(10), 1, hold));
+  EXPECT_FALSE(s.push(token(11), 1, hold));
+  std::this_thread::sleep_for(std::chrono::duration<double>(hold * 1.2));
+  EXPECT_TRUE(s.push(token(12), 1, hold));  // token 10 has waited min_hold
+  test::StreamOutput out = test::take(s);
+  EXPECT_EQ(out.tokens, (std::vector<int32_t>{10, 11, 12}));
+  EXPECT_FALSE(s.push(token(13), 1, hold));  // a new group
+  std::this_thread::sleep_for(std::chrono::duration<double>(hold * 1.2));
+  EXPECT_FALSE(s.push(token(14), 4, hold));  // old enough, but wake_at is not reached either
+  const int woken = s.wakeups();
+  s.flush();
+  EXPECT_EQ(s.wakeups(), woken + 1);
+  out = test::take(s, std::move(out));
+  s.flush();  // nothing held: no wake-up
+  EXPECT_EQ(s.wakeups(), woken + 1);
+  EXPECT_FALSE(s.push(token(15), 1, hold));
+  TokenEvent last = token(16);
+  last.finish = FinishReason::Length;
+  EXPECT_TRUE(s.push(last, 1, hold));
+  out = test::take(s, std::move(out));
+  EXPECT_EQ(out.tokens, (std::vector<int32_t>{10, 11, 12, 13, 14, 15, 16}));
   EXPECT_EQ(out.finish, FinishReason::Length);
 }
 

@@ -24,6 +24,7 @@ struct ServeArgs {
   std::string model, host = "127.0.0.1", api_key, api_key_file, device = "cpu", kv_type = "f16", alias;
   int port = 8080, parallel = 32, ctx = 0, kv_blocks = 0, kv_block_size = 16, threads = 0, max_queue = 64;
   bool no_prefix_cache = false, quiet = false;
+  double stream_interval_ms = 10;
 };
 
 std::string read_api_key(const ServeArgs& a) {
@@ -102,6 +103,7 @@ int serve(const ServeArgs& a) {
   eo.max_sequences = a.parallel;
   eo.max_queue = a.max_queue;
   eo.prefix_cache = !a.no_prefix_cache;
+  eo.stream_interval_ms = a.stream_interval_ms;
   serve::Engine engine(*model, std::move(backend), eo);
   serve::HttpServer server(engine, so);
   const int port = server.bind();
@@ -153,6 +155,9 @@ Action add_serve(CLI::App& app) {
   app.add_option("--alias", a->alias, "model id reported to clients (default: the file name without .gguf)");
   app.add_option("-t,--threads", a->threads, "compute threads (default: all cores)")->check(CLI::Range(0, 1024));
   app.add_option("--device", a->device, "cpu | cuda");
+  app.add_option("--stream-interval-ms", a->stream_interval_ms,
+                 "hold a streamed token up to this long to send it with the next ones (fewer wake-ups; 0: every token at once)")
+      ->check(CLI::Range(0.0, 100.0));
   app.add_flag("--no-prefix-cache", a->no_prefix_cache, "do not reuse the K/V of repeated prompt prefixes");
   app.add_flag("-q,--quiet", a->quiet, "no per-request log lines");
   return [a] { return serve(*a); };
