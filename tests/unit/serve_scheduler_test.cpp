@@ -488,15 +488,16 @@ TEST_F(ServeScheduler, StreamIntervalHoldsTokensOfALoneSequence) {
   }
 }
 
+static TokenEvent token(int32_t id) {
+  TokenEvent e;
+  e.token = id;
+  return e;
+}
+
 // With many sequences running the engine wakes a consumer once per group of tokens; whatever is queued is
 // still there for next(), and the end of a request, a group's last token or a held token's age wakes it.
 TEST(ServeStreamState, WakesTheConsumerPerGroupOfTokens) {
   StreamState s(greedy({1, 2, 3}, 8), nullptr);
-  auto token = [](int32_t id) {
-    TokenEvent e;
-    e.token = id;
-    return e;
-  };
   EXPECT_TRUE(s.push(token(10)));  // wake_at 1: every token
   EXPECT_FALSE(s.push(token(11), 3));
   EXPECT_TRUE(s.push(token(12), 3));  // three queued
@@ -522,11 +523,6 @@ TEST(ServeStreamState, WakesTheConsumerPerGroupOfTokens) {
 // preempted sequence) do not wait.
 TEST(ServeStreamState, MinHoldGroupsTokensByAge) {
   StreamState s(greedy({1, 2, 3}, 8), nullptr);
-  auto token = [](int32_t id) {
-    TokenEvent e;
-    e.token = id;
-    return e;
-  };
   const double hold = StreamState::kMaxHoldSeconds / 2;
   EXPECT_FALSE(s.push(token(10), 1, hold));
   EXPECT_FALSE(s.push(token(11), 1, hold));
