@@ -491,8 +491,7 @@ size_t Scheduler::wake_at(const Sequence& s) const {
 // on the cores the forward pass runs on: one streaming client on two cores decoded `base` Q4_0 ~17 % slower
 // than a non-streaming one (docs/BENCHMARKS.md). With many sequences the groups of events_per_wakeup()
 // are already longer than that.
-double Scheduler::min_hold(const Sequence& s) const {
-  (void)s;
+double Scheduler::min_hold() const {
   return opts_.stream_interval_ms / 1000.0;
 }
 
@@ -513,7 +512,7 @@ void Scheduler::score_prompt(Sequence& s, const float* rows, int n_rows) {
     ev.prompt = true;
     ev.token = s.tokens[(size_t)s.n_scored];
     ev.logprob = token_logprob(rows + (size_t)i * vocab_, vocab_, ev.token, top_n, &ev.top_logprobs);
-    s.stream->push(std::move(ev), wake_at(s), min_hold(s));
+    s.stream->push(std::move(ev), wake_at(s), min_hold());
     ++s.n_scored;
   }
 }
@@ -533,7 +532,7 @@ void Scheduler::emit(Sequence& s, TokenEvent ev) {
     finish(s, std::move(ev));
   } else {
     if (s.n_generated == 1) s.stream->push(std::move(ev));  // the first token at once (time to first token)
-    else s.stream->push(std::move(ev), wake_at(s), min_hold(s));
+    else s.stream->push(std::move(ev), wake_at(s), min_hold());
   }
 }
 

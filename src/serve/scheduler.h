@@ -112,8 +112,8 @@ class Scheduler {
   void sample(Sequence& s, const float* logits);
   void score_prompt(Sequence& s, const float* rows, int n_rows);
   void emit(Sequence& s, TokenEvent ev);  // the sampled token: append, stream, finish
-  size_t wake_at(const Sequence& s) const;  // push()'s wake_at and min_hold for s's events
-  double min_hold(const Sequence& s) const;
+  size_t wake_at(const Sequence& s) const;  // push()'s wake_at for s's events
+  double min_hold() const;                  // push()'s min_hold (EngineOptions::stream_interval_ms)
   bool greedy_step() const;
   bool backend_sample_step() const;
   void build_row_sampling();
