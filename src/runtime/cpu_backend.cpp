@@ -336,7 +336,7 @@ void CpuBackend::embed(const Batch& batch) {
   const Weight& e = m_.token_embd();
   for (size_t i = 0; i < batch.size(); ++i) {
     const void* row = e.row(batch.tokens[i]);
-    if (e.packed != nullptr) {  // the tied table, packed at load on an AVX-512 CPU
+    if (e.packed != nullptr) {  // the tied table, packed at load (AVX2 or AVX-512)
       if (embd_row_.size() < e.row_bytes) embd_row_.resize(e.row_bytes);
       e.packed_kernel->unpack_row(e.packed, batch.tokens[i], c_.dim, embd_row_.data());
       row = embd_row_.data();

@@ -1,4 +1,5 @@
-// Load-time repacked layouts (kernels::PackedMatmul, AVX-512 Q8_0, Q4_0, MXFP4, Q4_K and TQ2_0): rows must read back
+// Load-time repacked layouts (kernels::PackedMatmul: AVX-512 Q8_0, Q4_0, MXFP4, Q4_K and TQ2_0; AVX2 Q4_0 and
+// MXFP4, in the same bytes): rows must read back
 // exactly, and on awkward shapes (rows not a multiple of the 16-row group, one row, huge k, row sub-ranges,
 // ldy > rows) the packed kernel must be independent of the number of tokens per call and stay close to the
 // scalar oracle. Q8_0, Q4_0 and MXFP4 must also give bit for bit what the row-major kernel of the same level gives;
@@ -31,8 +32,8 @@ struct Case {
   int64_t ldy;
 };
 
-std::string describe(DType type, const Case& c, bool raw) {
-  return cat(dtype_name(type), " rows ", c.rows, " k ", c.k, " tokens ", c.n_tokens, " range [", c.r0, ",", c.r1,
+std::string describe(DType type, KernelLevel level, const Case& c, bool raw) {
+  return cat(kernel_level_name(level), " ", dtype_name(type), " rows ", c.rows, " k ", c.k, " tokens ", c.n_tokens, " range [", c.r0, ",", c.r1,
              ") ldy ", c.ldy, raw ? " raw" : " quantized");
 }
 
@@ -54,9 +55,9 @@ std::vector<uint8_t> make_weights(DType type, const Case& c, bool raw, uint32_t 
   return w;
 }
 
-void check_case(DType type, const Case& c, bool raw, uint32_t seed) {
+void check_case(DType type, KernelLevel level, const Case& c, bool raw, uint32_t seed) {
   const MatmulKernel* ref = quant_matmul_kernel(type, KernelLevel::Scalar);
-  const MatmulKernel* simd = quant_matmul_kernel(type, KernelLevel::Avx512);
+  const MatmulKernel* simd = quant_matmul_kernel(type, level);
   ASSERT_NE(simd->packed, nullptr);
   const PackedMatmul& pm = *simd->packed;
   const size_t w_row = dtype_row_bytes(type, (uint64_t)c.k), x_row = dtype_row_bytes(simd->act_type, (uint64_t)c.k);
@@ -66,7 +67,7 @@ void check_case(DType type, const Case& c, bool raw, uint32_t seed) {
   std::vector<uint8_t> row(w_row);
   for (int64_t r = 0; r < c.rows; ++r) {  // rows read back (tied embedding lookups)
     pm.unpack_row(packed.data(), r, c.k, row.data());
-    ASSERT_EQ(0, std::memcmp(row.data(), &w[r * w_row], w_row)) << describe(type, c, raw) << ": row " << r;
+    ASSERT_EQ(0, std::memcmp(row.data(), &w[r * w_row], w_row)) << describe(type, level, c, raw) << ": row " << r;
   }
 
   std::mt19937 rng(seed + 1);
@@ -91,14 +92,14 @@ void check_case(DType type, const Case& c, bool raw, uint32_t seed) {
       const size_t at = (size_t)(t * c.ldy + i);
       if (i < c.r0 || i >= c.r1) {
         if ((y_packed[at] != kSentinel || y_one[at] != kSentinel) && bad++ < 5)
-          ADD_FAILURE() << describe(type, c, raw) << ": wrote outside its rows at token " << t << " row " << i;
+          ADD_FAILURE() << describe(type, level, c, raw) << ": wrote outside its rows at token " << t << " row " << i;
         continue;
       }
       const bool same = std::memcmp(&y_one[at], &y_packed[at], 4) == 0 &&
                         (!matches_rows || std::memcmp(&y_packed[at], &y_rows[at], 4) == 0);
       const double tol = 1e-4 * (std::fabs((double)y_ref[at]) + 1.0);
       if ((!same || !(std::fabs((double)y_ref[at] - y_packed[at]) <= tol)) && bad++ < 5)
-        ADD_FAILURE() << describe(type, c, raw) << ": token " << t << " row " << i << " rows " << y_rows[at]
+        ADD_FAILURE() << describe(type, level, c, raw) << ": token " << t << " row " << i << " rows " << y_rows[at]
                       << " packed " << y_packed[at] << " one-token " << y_one[at] << " scalar " << y_ref[at];
     }
 }
@@ -120,21 +121,35 @@ std::vector<Case> cases(DType type) {
 
 class QuantRepack : public ::testing::TestWithParam<DType> {};
 
+// The levels this CPU runs that have a packed layout for the type.
+std::vector<KernelLevel> packed_levels(DType type) {
+  std::vector<KernelLevel> out;
+  for (KernelLevel l : {KernelLevel::Avx2, KernelLevel::Avx512})
+    if (best_kernel_level() >= l && quant_matmul_kernel(type, l)->packed != nullptr) out.push_back(l);
+  return out;
+}
+
 TEST_P(QuantRepack, PackedMatchesRowMajorBitwise) {
-  if (best_kernel_level() < KernelLevel::Avx512) GTEST_SKIP() << "no AVX-512 VNNI on this CPU";
-  uint32_t seed = 1;
-  for (const Case& c : cases(GetParam()))
-    for (bool raw : {false, true}) {
-      check_case(GetParam(), c, raw, seed++);
-      if (HasFatalFailure()) return;
-    }
+  const std::vector<KernelLevel> levels = packed_levels(GetParam());
+  if (levels.empty()) GTEST_SKIP() << "no packed layout for this type at the levels this CPU runs";
+  for (KernelLevel level : levels) {
+    uint32_t seed = 1;
+    for (const Case& c : cases(GetParam()))
+      for (bool raw : {false, true}) {
+        check_case(GetParam(), level, c, raw, seed++);
+        if (HasFatalFailure()) return;
+      }
+  }
 }
 
 // The packed MXFP4 kernel widens E8M0 exponents itself rather than reading kE8m0Half: one row per exponent
 // (one block each, so every output is a single product, infinities included) must match the row-major bits.
 TEST(QuantRepackMxfp4, EveryExponentMatchesRowMajor) {
-  if (best_kernel_level() < KernelLevel::Avx512) GTEST_SKIP() << "no AVX-512 VNNI on this CPU";
-  const MatmulKernel* simd = quant_matmul_kernel(DType::MXFP4, KernelLevel::Avx512);
+  const std::vector<KernelLevel> levels = packed_levels(DType::MXFP4);
+  if (levels.empty()) GTEST_SKIP() << "no packed MXFP4 layout at the levels this CPU runs";
+  for (KernelLevel level : levels) {
+  SCOPED_TRACE(kernel_level_name(level));
+  const MatmulKernel* simd = quant_matmul_kernel(DType::MXFP4, level);
   const PackedMatmul& pm = *simd->packed;
   const int64_t rows = 256, k = 32;
   std::vector<quant::BlockMxfp4> w((size_t)rows);
@@ -154,13 +169,15 @@ TEST(QuantRepackMxfp4, EveryExponentMatchesRowMajor) {
   for (int64_t i = 0; i < 3 * rows; ++i)
     ASSERT_EQ(0, std::memcmp(&y_rows[(size_t)i], &y_packed[(size_t)i], 4))
         << "token " << i / rows << " exponent " << i % rows << ": " << y_rows[(size_t)i] << " vs " << y_packed[(size_t)i];
+  }
 }
 
-// Lower levels have no packed layout: the runtime then keeps the file's rows.
-TEST_P(QuantRepack, OnlyAvx512HasAPackedLayout) {
+// The scalar level has no packed layout (the runtime then keeps the file's rows); AVX2 has Q4_0's and MXFP4's.
+TEST_P(QuantRepack, PackedLayoutsPerLevel) {
   EXPECT_EQ(quant_matmul_kernel(GetParam(), KernelLevel::Scalar)->packed, nullptr);
   if (best_kernel_level() >= KernelLevel::Avx2) {
-    EXPECT_EQ(quant_matmul_kernel(GetParam(), KernelLevel::Avx2)->packed, nullptr);
+    const bool avx2 = GetParam() == DType::Q4_0 || GetParam() == DType::MXFP4;
+    EXPECT_EQ(quant_matmul_kernel(GetParam(), KernelLevel::Avx2)->packed != nullptr, avx2);
   }
 }
 
