@@ -1,5 +1,5 @@
-// Load-time repacked layouts (kernels::PackedMatmul: AVX-512 Q8_0, Q4_0, MXFP4, Q4_K and TQ2_0; AVX2 Q4_0 and
-// MXFP4, Q4_K and TQ2_0, in the same bytes): rows must read back
+// Load-time repacked layouts (kernels::PackedMatmul: AVX-512 Q8_0, Q4_0, MXFP4, Q4_K and TQ2_0; AVX2 the same
+// types in the same bytes): rows must read back
 // exactly, and on awkward shapes (rows not a multiple of the 16-row group, one row, huge k, row sub-ranges,
 // ldy > rows) the packed kernel must be independent of the number of tokens per call and stay close to the
 // scalar oracle. Q8_0, Q4_0 and MXFP4 must also give bit for bit what the row-major kernel of the same level gives;
@@ -172,12 +172,42 @@ TEST(QuantRepackMxfp4, EveryExponentMatchesRowMajor) {
   }
 }
 
-// The scalar level has no packed layout (the runtime then keeps the file's rows); AVX2 has all but Q8_0's.
+// AVX2 reads the AVX-512 layouts' bytes and, per (row, token), forms the same exact integers and the same float
+// operations, so on a CPU with both levels the two packed kernels must agree bit for bit (the super-block types
+// too, whose packed kernels differ from their row-major tiles).
+TEST_P(QuantRepack, Avx2PackedMatchesAvx512Packed) {
+  const DType type = GetParam();
+  if (best_kernel_level() < KernelLevel::Avx512) GTEST_SKIP() << "no AVX-512 VNNI on this CPU";
+  const MatmulKernel* a2 = quant_matmul_kernel(type, KernelLevel::Avx2);
+  const MatmulKernel* a5 = quant_matmul_kernel(type, KernelLevel::Avx512);
+  if (a2->packed == nullptr) GTEST_SKIP() << "no AVX2 packed layout for " << dtype_name(type);
+  ASSERT_NE(a5->packed, nullptr);
+  const Case c{50, 4 * (int64_t)dtype_info(type).block_size * 3, 13, 0, 50, 50};
+  const std::vector<uint8_t> w = make_weights(type, c, true, 11);
+  const size_t w_row = dtype_row_bytes(type, (uint64_t)c.k), x_row = dtype_row_bytes(a2->act_type, (uint64_t)c.k);
+  std::vector<uint8_t> p2(a2->packed->bytes(c.rows, c.k)), p5(a5->packed->bytes(c.rows, c.k));
+  ASSERT_EQ(p2.size(), p5.size());
+  a2->packed->repack(w.data(), w_row, c.rows, c.k, p2.data());
+  a5->packed->repack(w.data(), w_row, c.rows, c.k, p5.data());
+  ASSERT_EQ(0, std::memcmp(p2.data(), p5.data(), p2.size())) << dtype_name(type) << ": packed bytes differ";
+  const std::vector<float> xf = test::gaussian((size_t)(c.n_tokens * c.k), 12);
+  std::vector<uint8_t> x(x_row * c.n_tokens);
+  a2->quantize_act(xf.data(), c.n_tokens, c.k, x.data());
+  for (int64_t n : {(int64_t)1, c.n_tokens}) {
+    std::vector<float> y2(n * c.rows), y5(n * c.rows);
+    a2->packed->rows(p2.data(), 0, 0, c.rows, x.data(), x_row, n, c.k, y2.data(), c.rows);
+    a5->packed->rows(p5.data(), 0, 0, c.rows, x.data(), x_row, n, c.k, y5.data(), c.rows);
+    for (size_t i = 0; i < y2.size(); ++i)
+      ASSERT_EQ(0, std::memcmp(&y2[i], &y5[i], 4)) << dtype_name(type) << " tokens " << n << " output " << i << ": avx2 "
+                                                   << y2[i] << " avx512 " << y5[i];
+  }
+}
+
+// The scalar level has no packed layout (the runtime then keeps the file's rows); AVX2 has every one AVX-512 has.
 TEST_P(QuantRepack, PackedLayoutsPerLevel) {
   EXPECT_EQ(quant_matmul_kernel(GetParam(), KernelLevel::Scalar)->packed, nullptr);
   if (best_kernel_level() >= KernelLevel::Avx2) {
-    const bool avx2 = GetParam() != DType::Q8_0;
-    EXPECT_EQ(quant_matmul_kernel(GetParam(), KernelLevel::Avx2)->packed != nullptr, avx2);
+    EXPECT_NE(quant_matmul_kernel(GetParam(), KernelLevel::Avx2)->packed, nullptr);
   }
 }
 

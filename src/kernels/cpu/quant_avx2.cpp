@@ -1,6 +1,6 @@
 // AVX2 quantized matmuls. Few tokens: the 256-bit tiles of quant_simd_*.h with maddubs/madd integer dot
 // products (16 vector registers allow 4 rows x 2 tokens of accumulators). Many tokens: the repacked GEMM of
-// quant_gemm_avx2.cpp, except for Q8_0. Q4_0, MXFP4, Q4_K and TQ2_0 also have a load-time layout
+// quant_gemm_avx2.cpp, except for Q8_0. Every type but TQ1_0 also has a load-time layout
 // (quant_repack_avx2.cpp, quant_repack_k_avx2.cpp), which the runtime uses instead of both.
 #define MERLIN_QUANT_LEVEL avx2
 #include "kernels/cpu/quant_impl.h"
@@ -25,7 +25,7 @@ void matmul(MERLIN_MATMUL_ARGS) {
   run_tiles<Tile, 4, 2>(a, r0, r1, n_tokens);
 }
 
-const MatmulKernel kQ8_0{DType::Q8_0, &quantize_rows_q8_0, &matmul<DType::Q8_0, TileQ8_0>};
+const MatmulKernel kQ8_0{DType::Q8_0, &quantize_rows_q8_0, &matmul<DType::Q8_0, TileQ8_0>, &kPackedQ8_0};
 const MatmulKernel kQ4_0{DType::Q8_0, &quantize_rows_q8_0, &matmul<DType::Q4_0, TileQ4_0>, &kPackedQ4_0};
 const MatmulKernel kMxfp4{DType::Q8_0, &quantize_rows_q8_0, &matmul<DType::MXFP4, TileMxfp4>, &kPackedMxfp4};
 const MatmulKernel kQ4_K{DType::Q8_K, &quantize_rows_q8_k, &matmul<DType::Q4_K, TileQ4_K>, &kPackedQ4_K};

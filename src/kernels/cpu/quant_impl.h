@@ -23,7 +23,7 @@ const MatmulKernel* matmul_kernel(DType type);
 // The token-parallel GEMM of quant_gemm_avx2.cpp; false for types it does not cover (Q8_0).
 bool gemm(DType type, MERLIN_MATMUL_ARGS);
 // The repacked layouts of quant_repack_avx2.cpp and quant_repack_k_avx2.cpp (the bytes of the AVX-512 ones).
-extern const PackedMatmul kPackedQ4_0, kPackedMxfp4, kPackedQ4_K, kPackedTQ2_0;
+extern const PackedMatmul kPackedQ8_0, kPackedQ4_0, kPackedMxfp4, kPackedQ4_K, kPackedTQ2_0;
 }
 namespace avx512 {
 const MatmulKernel* matmul_kernel(DType type);

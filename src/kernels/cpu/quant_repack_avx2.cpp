@@ -1,4 +1,4 @@
-// Row-interleaved ("repacked") Q4_0 and MXFP4 weights for AVX2, made once at load by the backend: the
+// Row-interleaved ("repacked") Q8_0, Q4_0 and MXFP4 weights for AVX2, made once at load by the backend: the
 // layout of quant_repack.h, the same bytes as the AVX-512 kernels read.
 //
 // Why: the row-major AVX2 tiles (quant_simd_q32.h) reduce each (row, block) product horizontally (maddubs,
@@ -11,8 +11,10 @@
 // x_scale, acc) block by block with S_b the block's exact integer dot product: bit for bit the row-major
 // tiles and GEMM of this level, for any number of tokens (batch invariance).
 //
-// Q8_0 has no AVX2 packed kernel: its biased bytes (up to 255) would saturate maddubs, and the sign trick
-// needs a madd per maddubs, which is what the row-major tiles already do.
+// Q8_0's biased bytes (up to 255) would saturate maddubs, so each is split into its nibbles, 16 hi + lo:
+// two maddubs per byte quad, each summing in int16 over a block like Q4_0's, and S = 16 * sum(x * hi) +
+// sum(x * lo) - 128 * sum(x). Against the sign trick of the row-major tiles (abs, sign, then a madd per
+// maddubs) the multiplies are the same, but nothing is reduced across lanes.
 #define MERLIN_QUANT_LEVEL avx2
 #include "kernels/cpu/quant_impl.h"
 #include "kernels/cpu/quant_repack.h"
@@ -86,7 +88,7 @@ template <class F, int H, int T>
 void tile(const uint8_t* gw, int64_t nb, int h0, const ActInfo& ai, int64_t e0, int64_t cl, float* y, int64_t ldy,
           int64_t left) {
   constexpr bool kWiden = F::kTable;  // MXFP4's values up to 24: int16 sums widen after 4 maddubs
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
   __m256 acc[H][T];
 #pragma GCC unroll 16
   for (int hh = 0; hh < H; ++hh)
@@ -106,39 +108,62 @@ void tile(const uint8_t* gw, int64_t nb, int h0, const ActInfo& ai, int64_t e0, 
     for (int hh = 0; hh < H; ++hh)
 #pragma GCC unroll 16
       for (int t = 0; t < T; ++t) s16[hh][t] = s32[hh][t] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-    for (int u = 0; u < 4; ++u) {
-      __m256i lo[H], hi[H];
-#pragma GCC unroll 2
-      for (int hh = 0; hh < H; ++hh) {
-        const __m256i raw = loadu(q + 64 * u + 32 * hh);
-        lo[hh] = _mm256_and_si256(raw, low);
-        hi[hh] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-        if constexpr (F::kTable) {
-          const __m256i table = _mm256_add_epi8(
-              _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kMxfp4Values))),
-              _mm256_set1_epi8(F::kBias));
-          lo[hh] = _mm256_shuffle_epi8(table, lo[hh]);
-          hi[hh] = _mm256_shuffle_epi8(table, hi[hh]);
-        }
-      }
-#pragma GCC unroll 16
-      for (int t = 0; t < T; ++t) {
-        const __m256i xl = bcast4(xq + 32 * t + 4 * u), xh = bcast4(xq + 32 * t + 16 + 4 * u);
+    if constexpr (F::kChunks == 8) {
+      // Q8_0's biased byte w + 128 = 16 hi + lo with both nibbles 0..15: s16 sums x * lo, s32 (as int16) x * hi.
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) {
+        __m256i lo[H], hi[H];
 #pragma GCC unroll 2
         for (int hh = 0; hh < H; ++hh) {
-          s16[hh][t] = _mm256_add_epi16(s16[hh][t], _mm256_maddubs_epi16(lo[hh], xl));
-          s16[hh][t] = _mm256_add_epi16(s16[hh][t], _mm256_maddubs_epi16(hi[hh], xh));
+          const __m256i raw = loadu(q + 64 * u + 32 * hh);
+          lo[hh] = _mm256_and_si256(raw, low);
+          hi[hh] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        }
+#pragma GCC unroll 16
+        for (int t = 0; t < T; ++t) {
+          const __m256i xv = bcast4(xq + 32 * t + 4 * u);
+#pragma GCC unroll 2
+          for (int hh = 0; hh < H; ++hh) {
+            s16[hh][t] = _mm256_add_epi16(s16[hh][t], _mm256_maddubs_epi16(lo[hh], xv));
+            s32[hh][t] = _mm256_add_epi16(s32[hh][t], _mm256_maddubs_epi16(hi[hh], xv));
+          }
         }
       }
-      if (kWiden && u == 1) {
-#pragma GCC unroll 2
-        for (int hh = 0; hh < H; ++hh)
-#pragma GCC unroll 16
-          for (int t = 0; t < T; ++t) {
-            s32[hh][t] = _mm256_madd_epi16(s16[hh][t], ones);
-            s16[hh][t] = _mm256_setzero_si256();
+    } else {
+  #pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        __m256i lo[H], hi[H];
+  #pragma GCC unroll 2
+        for (int hh = 0; hh < H; ++hh) {
+          const __m256i raw = loadu(q + 64 * u + 32 * hh);
+          lo[hh] = _mm256_and_si256(raw, low);
+          hi[hh] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+          if constexpr (F::kTable) {
+            const __m256i table = _mm256_add_epi8(
+                _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kMxfp4Values))),
+                _mm256_set1_epi8(F::kBias));
+            lo[hh] = _mm256_shuffle_epi8(table, lo[hh]);
+            hi[hh] = _mm256_shuffle_epi8(table, hi[hh]);
           }
+        }
+  #pragma GCC unroll 16
+        for (int t = 0; t < T; ++t) {
+          const __m256i xl = bcast4(xq + 32 * t + 4 * u), xh = bcast4(xq + 32 * t + 16 + 4 * u);
+  #pragma GCC unroll 2
+          for (int hh = 0; hh < H; ++hh) {
+            s16[hh][t] = _mm256_add_epi16(s16[hh][t], _mm256_maddubs_epi16(lo[hh], xl));
+            s16[hh][t] = _mm256_add_epi16(s16[hh][t], _mm256_maddubs_epi16(hi[hh], xh));
+          }
+        }
+        if (kWiden && u == 1) {
+  #pragma GCC unroll 2
+          for (int hh = 0; hh < H; ++hh)
+  #pragma GCC unroll 16
+            for (int t = 0; t < T; ++t) {
+              s32[hh][t] = _mm256_madd_epi16(s16[hh][t], ones);
+              s16[hh][t] = _mm256_setzero_si256();
+            }
+        }
       }
     }
 #pragma GCC unroll 2
@@ -146,7 +171,8 @@ void tile(const uint8_t* gw, int64_t nb, int h0, const ActInfo& ai, int64_t e0, 
       const __m256 wd = scales8<F>(gw, h0 + hh);
 #pragma GCC unroll 16
       for (int t = 0; t < T; ++t) {
-        const __m256i s = _mm256_add_epi32(_mm256_add_epi32(_mm256_set1_epi32(st[t]), s32[hh][t]),
+        const __m256i part = F::kChunks == 8 ? _mm256_madd_epi16(s32[hh][t], sixteen) : s32[hh][t];
+        const __m256i s = _mm256_add_epi32(_mm256_add_epi32(_mm256_set1_epi32(st[t]), part),
                                            _mm256_madd_epi16(s16[hh][t], ones));
         const __m256 sc = _mm256_mul_ps(wd, _mm256_set1_ps(d[t]));
         acc[hh][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sc, acc[hh][t]);
@@ -172,9 +198,9 @@ void tile(const uint8_t* gw, int64_t nb, int h0, const ActInfo& ai, int64_t e0, 
 
 // Tokens per tile: both halves of a group share each broadcast for 1-2 tokens (14 of the 16 ymm at 2); from
 // 3 tokens a half at a time, its weights unpacked once for up to kTmax tokens (MXFP4 keeps its widened
-// sums too, so it gets fewer).
+// sums too, Q8_0 its high nibbles' sums, so they get fewer).
 template <class F>
-constexpr int kTmax = F::kTable ? 3 : 4;
+constexpr int kTmax = F::kTable || F::kChunks == 8 ? 3 : 4;
 
 template <class F>
 void rows_packed(MERLIN_MATMUL_ARGS) {
@@ -207,6 +233,7 @@ void rows_packed(MERLIN_MATMUL_ARGS) {
 
 }  // namespace
 
+const PackedMatmul kPackedQ8_0{&packed_bytes<FmtQ8_0>, &repack<FmtQ8_0>, &unpack_row<FmtQ8_0>, &rows_packed<FmtQ8_0>};
 const PackedMatmul kPackedQ4_0{&packed_bytes<FmtQ4_0>, &repack<FmtQ4_0>, &unpack_row<FmtQ4_0>, &rows_packed<FmtQ4_0>};
 const PackedMatmul kPackedMxfp4{&packed_bytes<FmtMxfp4>, &repack<FmtMxfp4>, &unpack_row<FmtMxfp4>,
                                 &rows_packed<FmtMxfp4>};
