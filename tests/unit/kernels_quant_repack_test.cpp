@@ -33,8 +33,8 @@ struct Case {
 };
 
 std::string describe(DType type, KernelLevel level, const Case& c, bool raw) {
-  return cat(kernel_level_name(level), " ", dtype_name(type), " rows ", c.rows, " k ", c.k, " tokens ", c.n_tokens, " range [", c.r0, ",", c.r1,
-             ") ldy ", c.ldy, raw ? " raw" : " quantized");
+  return cat(kernel_level_name(level), " ", dtype_name(type), " rows ", c.rows, " k ", c.k, " tokens ", c.n_tokens,
+             " range [", c.r0, ",", c.r1, ") ldy ", c.ldy, raw ? " raw" : " quantized");
 }
 
 // Weights from the quantizer, or raw random bytes with finite scales (reaches Q8_0's -128, any Q4_K scale).
@@ -198,8 +198,8 @@ TEST_P(QuantRepack, Avx2PackedMatchesAvx512Packed) {
     a2->packed->rows(p2.data(), 0, 0, c.rows, x.data(), x_row, n, c.k, y2.data(), c.rows);
     a5->packed->rows(p5.data(), 0, 0, c.rows, x.data(), x_row, n, c.k, y5.data(), c.rows);
     for (size_t i = 0; i < y2.size(); ++i)
-      ASSERT_EQ(0, std::memcmp(&y2[i], &y5[i], 4)) << dtype_name(type) << " tokens " << n << " output " << i << ": avx2 "
-                                                   << y2[i] << " avx512 " << y5[i];
+      ASSERT_EQ(0, std::memcmp(&y2[i], &y5[i], 4))
+          << dtype_name(type) << " tokens " << n << " output " << i << ": avx2 " << y2[i] << " avx512 " << y5[i];
   }
 }
 

@@ -23,8 +23,6 @@
 namespace merlin::kernels::quant::avx2 {
 namespace {
 
-constexpr int kHalf = kRows / 2;  // rows per ymm
-
 // The block scales of rows 8h..8h+7 of a group-block, widened to float: fp16 (Q4_0), or E8M0 (MXFP4) as
 // e8m0_to_f32_half, bit for bit the table kE8m0Half the row-major tiles read.
 template <class F>
@@ -36,49 +34,8 @@ __m256 scales8(const uint8_t* gb, int h) {
     const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
     return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub, small));
   } else {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 2 * kHalf * h)));
+    return fp16x8(gb + 2 * kHalf * h);
   }
-}
-
-// Per block and token: the activation scale, -bias * sum(quants) (which turns the dot product with the
-// unsigned biased weights back into the signed one) and the block's 32 quants, block-major within chunks of
-// kTokenChunk tokens ([chunk][block][token of the chunk]) as in quant_repack_avx512.cpp.
-constexpr int64_t kTokenChunk = 64;  // tokens per pass over the row groups: their activations stay in L2
-
-struct ActInfo {
-  const float* d;
-  const int32_t* start;
-  const int8_t* qs;  // 32 per entry
-};
-
-template <class F>
-ActInfo act_info(const char* x, size_t x_row_bytes, int64_t n_tokens, int64_t nb) {
-  float* mem = detail::scratch_floats(detail::kScratchWeightRow, (size_t)(10 * n_tokens * nb));
-  int32_t* start = reinterpret_cast<int32_t*>(mem + n_tokens * nb);
-  int8_t* qs = reinterpret_cast<int8_t*>(mem + 2 * n_tokens * nb);
-  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
-  for (int64_t t = 0; t < n_tokens; ++t) {
-    const int64_t c0 = t - t % kTokenChunk, cl = n_tokens - c0 < kTokenChunk ? n_tokens - c0 : kTokenChunk;
-    const auto* xb = reinterpret_cast<const BlockQ8_0*>(x + t * x_row_bytes);
-    for (int64_t b = 0; b < nb; ++b) {
-      const __m256i q = loadu(xb[b].qs);
-      const __m256i s8 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, q), ones16);
-      const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
-      const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
-      const int32_t sum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
-      const int64_t e = c0 * nb + b * cl + (t - c0);
-      mem[e] = half(xb[b].d);
-      start[e] = -F::kBias * sum;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + e * 32), q);
-    }
-  }
-  return {mem, start, qs};
-}
-
-inline __m256i bcast4(const int8_t* p) {
-  int32_t v;
-  __builtin_memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
 }
 
 // Rows 8h0 .. 8(h0 + H) - 1 of a group (H = 1 or 2 halves, sharing each broadcast activation) x T tokens;
@@ -99,10 +56,9 @@ void tile(const uint8_t* gw, int64_t nb, int h0, const ActInfo& ai, int64_t e0, 
     const int32_t* st = ai.start + e0 + b * cl;
     const int8_t* xq = ai.qs + (e0 + b * cl) * 32;  // token t's quants at xq + 32 t
     const uint8_t* q = gw + F::kScaleBytes + 32 * h0;
-    // Four group-blocks ahead (a block's lines, which the hardware prefetcher alone fetched too late at one
-    // token: base Q4_0 tg128 202 -> 231-236 t/s on two cores, against 231 at two blocks and 219 at eight).
-    for (size_t l = 0; l < group_block_bytes<F>(); l += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(gw) + 4 * group_block_bytes<F>() + l, _MM_HINT_T0);
+    // Four group-blocks ahead: base Q4_0 tg128 202 -> 231-236 t/s on two cores, against 231 at two blocks
+    // and 219 at eight.
+    prefetch_ahead<group_block_bytes<F>(), 4>(gw);
     __m256i s16[H][T], s32[H][T];
 #pragma GCC unroll 16
     for (int hh = 0; hh < H; ++hh)
@@ -179,21 +135,7 @@ void tile(const uint8_t* gw, int64_t nb, int h0, const ActInfo& ai, int64_t e0, 
       }
     }
   }
-#pragma GCC unroll 2
-  for (int hh = 0; hh < H; ++hh) {
-    const int64_t n = left - kHalf * hh;
-    if (n <= 0) break;
-    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n < kHalf ? n : kHalf)),
-                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-#pragma GCC unroll 16
-    for (int t = 0; t < T; ++t) {
-      float* out = y + t * ldy + kHalf * hh;
-      if (n >= kHalf)
-        _mm256_storeu_ps(out, acc[hh][t]);
-      else
-        _mm256_maskstore_ps(out, keep, acc[hh][t]);
-    }
-  }
+  store_halves<H, T>(acc, y, ldy, left);
 }
 
 // Tokens per tile: both halves of a group share each broadcast for 1-2 tokens (14 of the 16 ymm at 2); from

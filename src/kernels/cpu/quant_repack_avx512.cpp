@@ -32,45 +32,6 @@ __m512 scales(const uint8_t* gb) {
   }
 }
 
-// Per block and token: the activation scale, the integer start value -bias * sum(quants), which turns the
-// dot product with unsigned (biased) weights back into the signed one, and the block's 32 quants. Block-major
-// within each chunk of kTokenChunk tokens ([chunk][block][token of the chunk]), so a tile reaches its tokens'
-// values at constant offsets from one pointer per block (with a pointer per token row a 12-token tile ran out
-// of general registers) and a chunk's values stay contiguous.
-constexpr int64_t kTokenChunk = 64;  // tokens per pass over the row groups: their activations stay in L2
-
-struct ActInfo {
-  const float* d;
-  const int32_t* start;
-  const int8_t* qs;  // 32 per entry
-  // Entry of (block b, token t) in a chunk of cl tokens from c0 = t - t % kTokenChunk: c0 * nb + b * cl + t - c0.
-};
-
-template <class F>
-ActInfo act_info(const char* x, size_t x_row_bytes, int64_t n_tokens, int64_t nb) {
-  // Floats: d and start (2 per block and token), then 8 for the 32 quants.
-  float* mem = detail::scratch_floats(detail::kScratchWeightRow, (size_t)(10 * n_tokens * nb));
-  int32_t* start = reinterpret_cast<int32_t*>(mem + n_tokens * nb);
-  int8_t* qs = reinterpret_cast<int8_t*>(mem + 2 * n_tokens * nb);
-  const __m256i ones = _mm256_set1_epi8(1);
-  for (int64_t t = 0; t < n_tokens; ++t) {
-    const int64_t c0 = t - t % kTokenChunk, cl = std::min(kTokenChunk, n_tokens - c0);
-    const auto* xb = reinterpret_cast<const BlockQ8_0*>(x + t * x_row_bytes);
-    for (int64_t b = 0; b < nb; ++b) {
-      const __m256i q = loadu(xb[b].qs);
-      const __m256i s8 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, q);
-      const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
-      const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
-      const int32_t sum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
-      const int64_t e = c0 * nb + b * cl + (t - c0);
-      mem[e] = half(xb[b].d);
-      start[e] = -F::kBias * sum;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + e * 32), q);
-    }
-  }
-  return {mem, start, qs};
-}
-
 // acc += dot(u, 4 signed bytes at p broadcast to every lane), with the broadcast folded into the
 // instruction ({1to16}); GCC would emit a separate vpbroadcastd per product.
 typedef int32_t AliasedI32 __attribute__((may_alias, aligned(1)));

@@ -46,6 +46,20 @@ inline void get(const uint8_t* gb, int row, BlockQ4_K& b) {
       __builtin_memcpy(b.qs + 32 * c + 4 * u, gb + kOffQuants + 512 * c + 64 * u + 4 * row, 4);
 }
 
+// Per token and super-block, the eight 32-element sums of the activation as int16 (|sum| <= 32 * 127).
+const void* act_sums(const char* x, size_t x_row_bytes, int64_t n_tokens, int64_t nsb) {
+  auto* out = reinterpret_cast<int16_t*>(detail::scratch_floats(detail::kScratchWeightRow, (size_t)(4 * n_tokens * nsb)));
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    const auto* xb = reinterpret_cast<const BlockQ8_K*>(x + t * x_row_bytes);
+    for (int64_t b = 0; b < nsb; ++b) {
+      const __m256i bs = loadu(xb[b].bsums);
+      const __m128i s = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (t * nsb + b) * 8), s);
+    }
+  }
+  return out;
+}
+
 }  // namespace q4k
 
 namespace tq2 {
@@ -61,6 +75,22 @@ inline void put(const BlockTQ2_0& b, int row, uint8_t* gb) {
 inline void get(const uint8_t* gb, int row, BlockTQ2_0& b) {
   __builtin_memcpy(&b.d, gb + 2 * row, 2);
   for (int c = 0; c < 16; ++c) __builtin_memcpy(b.qs + 4 * c, gb + 32 + 64 * c + 4 * row, 4);
+}
+
+// Per token and super-block, minus the sum of the activation's quants: the start value that turns the
+// dot product with trits 0..2 into the one with -1..1.
+const void* act_sums(const char* x, size_t x_row_bytes, int64_t n_tokens, int64_t nsb) {
+  auto* out = reinterpret_cast<int32_t*>(detail::scratch_floats(detail::kScratchWeightRow, (size_t)(n_tokens * nsb)));
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    const auto* xb = reinterpret_cast<const BlockQ8_K*>(x + t * x_row_bytes);
+    for (int64_t b = 0; b < nsb; ++b) {
+      const __m256i s8 = _mm256_madd_epi16(loadu(xb[b].bsums), _mm256_set1_epi16(1));
+      const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+      const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+      out[t * nsb + b] = -_mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
+    }
+  }
+  return out;
 }
 
 }  // namespace tq2

@@ -18,61 +18,7 @@
 namespace merlin::kernels::quant::avx2 {
 namespace {
 
-constexpr int kHalf = kRows / 2;  // rows per ymm
-constexpr int64_t kTokenChunk = 64;  // tokens per pass over the row groups: their activations stay in L2
-
-inline __m256i bcast4(const void* p) {
-  int32_t v;
-  __builtin_memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
-inline __m256 fp16x8(const uint8_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-// The next group-block's lines, requested one group-block ahead (the hardware prefetcher alone was late for
-// one token on the row-interleaved Q4_0 layout, quant_repack_avx2.cpp).
-template <size_t kBytes>
-inline void prefetch_next(const uint8_t* gw) {
-  for (size_t l = 0; l < kBytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(gw) + kBytes + l, _MM_HINT_T0);
-}
-
-// Stores T tokens' results of rows 8hh.. of a tile: left = rows that exist from the tile's first row.
-template <int H, int T>
-void store(const __m256 (&acc)[H][T], float* y, int64_t ldy, int64_t left) {
-#pragma GCC unroll 2
-  for (int hh = 0; hh < H; ++hh) {
-    const int64_t n = left - kHalf * hh;
-    if (n <= 0) break;
-    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n < kHalf ? n : kHalf)),
-                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-#pragma GCC unroll 16
-    for (int t = 0; t < T; ++t) {
-      float* out = y + t * ldy + kHalf * hh;
-      if (n >= kHalf)
-        _mm256_storeu_ps(out, acc[hh][t]);
-      else
-        _mm256_maskstore_ps(out, keep, acc[hh][t]);
-    }
-  }
-}
-
 namespace q4k {
-
-// Per token and super-block, the eight 32-element sums of the activation as int16 (|sum| <= 32 * 127).
-const void* act_sums(const char* x, size_t x_row_bytes, int64_t n_tokens, int64_t nsb) {
-  auto* out = reinterpret_cast<int16_t*>(detail::scratch_floats(detail::kScratchWeightRow, (size_t)(4 * n_tokens * nsb)));
-  for (int64_t t = 0; t < n_tokens; ++t) {
-    const auto* xb = reinterpret_cast<const BlockQ8_K*>(x + t * x_row_bytes);
-    for (int64_t b = 0; b < nsb; ++b) {
-      const __m256i bs = loadu(xb[b].bsums);
-      const __m128i s = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (t * nsb + b) * 8), s);
-    }
-  }
-  return out;
-}
 
 // Rows 8h0 .. 8(h0 + H) - 1 of a group x T tokens from t0.
 template <int H, int T>
@@ -89,7 +35,7 @@ void tile(const uint8_t* gw, int64_t nsb, int h0, const char* x, size_t x_row_by
     for (int t = 0; t < T; ++t) acc[hh][t] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nsb; ++b, gw += kGroupBlockBytes) {
-    prefetch_next<kGroupBlockBytes>(gw);
+    prefetch_ahead<kGroupBlockBytes, 1>(gw);
     __m256i s[H][T];
 #pragma GCC unroll 2
     for (int hh = 0; hh < H; ++hh)
@@ -154,28 +100,12 @@ void tile(const uint8_t* gw, int64_t nsb, int h0, const char* x, size_t x_row_by
       }
     }
   }
-  store<H, T>(acc, y, ldy, left);
+  store_halves<H, T>(acc, y, ldy, left);
 }
 
 }  // namespace q4k
 
 namespace tq2 {
-
-// Per token and super-block, minus the sum of the activation's quants: the start value that turns the
-// dot product with trits 0..2 into the one with -1..1.
-const void* act_sums(const char* x, size_t x_row_bytes, int64_t n_tokens, int64_t nsb) {
-  auto* out = reinterpret_cast<int32_t*>(detail::scratch_floats(detail::kScratchWeightRow, (size_t)(n_tokens * nsb)));
-  for (int64_t t = 0; t < n_tokens; ++t) {
-    const auto* xb = reinterpret_cast<const BlockQ8_K*>(x + t * x_row_bytes);
-    for (int64_t b = 0; b < nsb; ++b) {
-      const __m256i s8 = _mm256_madd_epi16(loadu(xb[b].bsums), _mm256_set1_epi16(1));
-      const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
-      const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
-      out[t * nsb + b] = -_mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
-    }
-  }
-  return out;
-}
 
 template <int H, int T>
 void tile(const uint8_t* gw, int64_t nsb, int h0, const char* x, size_t x_row_bytes, const void* sums, int64_t t0,
@@ -191,7 +121,7 @@ void tile(const uint8_t* gw, int64_t nsb, int h0, const char* x, size_t x_row_by
     for (int t = 0; t < T; ++t) acc[hh][t] = _mm256_setzero_ps();
   const __m256i three = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nsb; ++b, gw += kGroupBlockBytes) {
-    prefetch_next<kGroupBlockBytes>(gw);
+    prefetch_ahead<kGroupBlockBytes, 1>(gw);
     __m256i s16[H][T];
 #pragma GCC unroll 2
     for (int hh = 0; hh < H; ++hh)
@@ -208,7 +138,8 @@ void tile(const uint8_t* gw, int64_t nsb, int h0, const char* x, size_t x_row_by
         for (int l = 0; l < 4; ++l) {
           __m256i v[H];
 #pragma GCC unroll 2
-          for (int hh = 0; hh < H; ++hh) v[hh] = _mm256_and_si256(l ? _mm256_srli_epi16(raw[hh], 2 * l) : raw[hh], three);
+          for (int hh = 0; hh < H; ++hh)
+            v[hh] = _mm256_and_si256(l ? _mm256_srli_epi16(raw[hh], 2 * l) : raw[hh], three);
 #pragma GCC unroll 16
           for (int t = 0; t < T; ++t) {
             const __m256i xv = bcast4(xr[t][b].qs + 128 * hq + 32 * l + 4 * u);
@@ -222,12 +153,13 @@ void tile(const uint8_t* gw, int64_t nsb, int h0, const char* x, size_t x_row_by
       const __m256 wd = fp16x8(gw + 2 * kHalf * (h0 + hh));
 #pragma GCC unroll 16
       for (int t = 0; t < T; ++t) {
-        const __m256i s = _mm256_add_epi32(_mm256_set1_epi32(start[(t0 + t) * nsb + b]), _mm256_madd_epi16(s16[hh][t], ones));
+        const __m256i s =
+            _mm256_add_epi32(_mm256_set1_epi32(start[(t0 + t) * nsb + b]), _mm256_madd_epi16(s16[hh][t], ones));
         acc[hh][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(wd, _mm256_set1_ps(xr[t][b].d)), acc[hh][t]);
       }
     }
   }
-  store<H, T>(acc, y, ldy, left);
+  store_halves<H, T>(acc, y, ldy, left);
 }
 
 }  // namespace tq2

@@ -47,20 +47,6 @@ inline __m512i dot_s16_bcast(__m512i acc, __m512i a, const void* p) {
 
 namespace q4k {
 
-// Per token and super-block, the eight 32-element sums of the activation as int16 (|sum| <= 32 * 127).
-const void* act_sums(const char* x, size_t x_row_bytes, int64_t n_tokens, int64_t nsb) {
-  auto* out = reinterpret_cast<int16_t*>(detail::scratch_floats(detail::kScratchWeightRow, (size_t)(4 * n_tokens * nsb)));
-  for (int64_t t = 0; t < n_tokens; ++t) {
-    const auto* xb = reinterpret_cast<const BlockQ8_K*>(x + t * x_row_bytes);
-    for (int64_t b = 0; b < nsb; ++b) {
-      const __m256i bs = loadu(xb[b].bsums);
-      const __m128i s = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (t * nsb + b) * 8), s);
-    }
-  }
-  return out;
-}
-
 // 16 rows (one group) x T tokens from t0.
 template <int T>
 void tile(const uint8_t* gw, int64_t nsb, const char* x, size_t x_row_bytes, const void* sums, int64_t t0, float* y,
@@ -127,22 +113,6 @@ void tile(const uint8_t* gw, int64_t nsb, const char* x, size_t x_row_bytes, con
 
 namespace tq2 {
 
-// Per token and super-block, minus the sum of the activation's quants: the start value that turns the
-// dot product with trits 0..2 into the one with -1..1.
-const void* act_sums(const char* x, size_t x_row_bytes, int64_t n_tokens, int64_t nsb) {
-  auto* out = reinterpret_cast<int32_t*>(detail::scratch_floats(detail::kScratchWeightRow, (size_t)(n_tokens * nsb)));
-  for (int64_t t = 0; t < n_tokens; ++t) {
-    const auto* xb = reinterpret_cast<const BlockQ8_K*>(x + t * x_row_bytes);
-    for (int64_t b = 0; b < nsb; ++b) {
-      const __m256i s8 = _mm256_madd_epi16(loadu(xb[b].bsums), _mm256_set1_epi16(1));
-      const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
-      const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
-      out[t * nsb + b] = -_mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
-    }
-  }
-  return out;
-}
-
 template <int T>
 void tile(const uint8_t* gw, int64_t nsb, const char* x, size_t x_row_bytes, const void* sums, int64_t t0, float* y,
           int64_t ldy, __mmask16 keep) {
@@ -185,8 +155,6 @@ using PackedTileFn = void (*)(const uint8_t*, int64_t, const char*, size_t, cons
 using SumsFn = const void* (*)(const char*, size_t, int64_t, int64_t);
 
 constexpr int kTmax = 8;
-// Tokens per pass over the row groups: their activations (plus the group's weights) stay in L2.
-constexpr int64_t kTokenChunk = 64;
 
 // Tiles of one type (tile<T>: 16 rows x T tokens) over rows [r0, r1) and all tokens; act_sums prepares
 // what the tiles need of each token's activation sums.
