@@ -1,4 +1,4 @@
-// Portable inner loops of training and the run-time choice between them and the AVX-512 ones.
+// Portable inner loops of training and the run-time choice between them and the AVX2 / AVX-512 ones.
 #include <algorithm>
 #include <cmath>
 
@@ -76,7 +76,10 @@ const Table& table() {
                                              portable::exp_shift, portable::swiglu, portable::swiglu_backward};
   static const Table avx512_table{avx512::micro, avx512::pack_a_t, avx512::pack_b_t, avx512::xent_row, avx512::softmax_lse, avx512::exp_shift,
                                            avx512::swiglu, avx512::swiglu_backward};
-  return active_kernel_level() == KernelLevel::Avx512 ? avx512_table : portable_table;
+  static const Table avx2_table{avx2::micro,       portable::pack_a_t, portable::pack_b_t, avx2::xent_row,
+                                avx2::softmax_lse, avx2::exp_shift,    avx2::swiglu,       avx2::swiglu_backward};
+  const KernelLevel level = active_kernel_level();
+  return level == KernelLevel::Avx512 ? avx512_table : level == KernelLevel::Avx2 ? avx2_table : portable_table;
 }
 
 }  // namespace merlin::train::kern

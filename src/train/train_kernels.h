@@ -32,7 +32,8 @@ struct Table {
   void (*swiglu_backward)(const float* dh, const float* g, const float* u, float* dg, float* du, int64_t n);
 };
 
-const Table& table();  // AVX-512 when the CPU (and MERLIN_KERNELS) allow, else portable
+// AVX-512 when the CPU (and MERLIN_KERNELS) allow, else AVX2 (with the portable packs), else portable.
+const Table& table();
 
 namespace portable {
 void micro(int64_t kc, const float* ap, const float* bp, float* c, int64_t ldc, int mr, int nr, bool add);
@@ -44,6 +45,15 @@ void exp_shift(float* x, int64_t n, float shift);
 void swiglu(const float* g, const float* u, float* out, int64_t n);
 void swiglu_backward(const float* dh, const float* g, const float* u, float* dg, float* du, int64_t n);
 }  // namespace portable
+
+namespace avx2 {  // the packs are the portable ones
+void micro(int64_t kc, const float* ap, const float* bp, float* c, int64_t ldc, int mr, int nr, bool add);
+float xent_row(float* row, int64_t n, int32_t target, float scale);
+float softmax_lse(float* x, int64_t n);
+void exp_shift(float* x, int64_t n, float shift);
+void swiglu(const float* g, const float* u, float* out, int64_t n);
+void swiglu_backward(const float* dh, const float* g, const float* u, float* dg, float* du, int64_t n);
+}  // namespace avx2
 
 namespace avx512 {
 void micro(int64_t kc, const float* ap, const float* bp, float* c, int64_t ldc, int mr, int nr, bool add);

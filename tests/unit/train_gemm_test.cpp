@@ -71,7 +71,7 @@ TEST_P(TrainGemm, ZeroDepth) {
   EXPECT_EQ(c, std::vector<float>(6, 0.0f));
 }
 
-INSTANTIATE_TEST_SUITE_P(Levels, TrainGemm, ::testing::Values(KernelLevel::Scalar, KernelLevel::Avx512),
+INSTANTIATE_TEST_SUITE_P(Levels, TrainGemm, ::testing::Values(KernelLevel::Scalar, KernelLevel::Avx2, KernelLevel::Avx512),
                          [](const auto& info) { return std::string(kernel_level_name(info.param)); });
 
 TEST(TrainGemmThreads, BitIdenticalForAnyThreadCount) {
