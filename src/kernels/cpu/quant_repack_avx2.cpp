@@ -23,7 +23,7 @@
 namespace merlin::kernels::quant::avx2 {
 namespace {
 
-// The block scales of rows 8h..8h+7 of a group-block, widened to float: fp16 (Q4_0), or E8M0 (MXFP4) as
+// The block scales of rows 8h..8h+7 of a group-block, widened to float: fp16 (Q8_0, Q4_0), or E8M0 (MXFP4) as
 // e8m0_to_f32_half, bit for bit the table kE8m0Half the row-major tiles read.
 template <class F>
 __m256 scales8(const uint8_t* gb, int h) {
