@@ -171,6 +171,28 @@ constexpr int kHalf = kRows / 2;
 
 inline __m256 fp16x8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
+// Both nibbles of 32 bytes as bytes 0..15: low and high.
+inline void split_nibbles(__m256i raw, __m256i& lo, __m256i& hi) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  lo = _mm256_and_si256(raw, low);
+  hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+}
+
+template <int H, int T>
+inline void zero_halves(__m256 (&acc)[H][T]) {
+#pragma GCC unroll 2
+  for (int hh = 0; hh < H; ++hh)
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) acc[hh][t] = _mm256_setzero_ps();
+}
+
+// The Q8_K rows of tokens t0 .. t0 + T - 1 (the super-block types' activations).
+template <int T>
+inline void q8k_rows(const char* x, size_t x_row_bytes, int64_t t0, const BlockQ8_K* (&xr)[T]) {
+#pragma GCC unroll 16
+  for (int t = 0; t < T; ++t) xr[t] = reinterpret_cast<const BlockQ8_K*>(x + (t0 + t) * x_row_bytes);
+}
+
 inline __m256i bcast4(const void* p) {
   int32_t v;
   __builtin_memcpy(&v, p, 4);

@@ -45,12 +45,9 @@ template <class F, int H, int T>
 void tile(const uint8_t* gw, int64_t nb, int h0, const ActInfo& ai, int64_t e0, int64_t cl, float* y, int64_t ldy,
           int64_t left) {
   constexpr bool kWiden = F::kTable;  // MXFP4's values up to 24: int16 sums widen after 4 maddubs
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
+  const __m256i ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
   __m256 acc[H][T];
-#pragma GCC unroll 16
-  for (int hh = 0; hh < H; ++hh)
-#pragma GCC unroll 16
-    for (int t = 0; t < T; ++t) acc[hh][t] = _mm256_setzero_ps();
+  zero_halves(acc);
   for (int64_t b = 0; b < nb; ++b, gw += group_block_bytes<F>()) {
     const float* d = ai.d + e0 + b * cl;
     const int32_t* st = ai.start + e0 + b * cl;
@@ -71,9 +68,7 @@ void tile(const uint8_t* gw, int64_t nb, int h0, const ActInfo& ai, int64_t e0, 
         __m256i lo[H], hi[H];
 #pragma GCC unroll 2
         for (int hh = 0; hh < H; ++hh) {
-          const __m256i raw = loadu(q + 64 * u + 32 * hh);
-          lo[hh] = _mm256_and_si256(raw, low);
-          hi[hh] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+          split_nibbles(loadu(q + 64 * u + 32 * hh), lo[hh], hi[hh]);
         }
 #pragma GCC unroll 16
         for (int t = 0; t < T; ++t) {
@@ -86,14 +81,12 @@ void tile(const uint8_t* gw, int64_t nb, int h0, const ActInfo& ai, int64_t e0, 
         }
       }
     } else {
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
       for (int u = 0; u < 4; ++u) {
         __m256i lo[H], hi[H];
-  #pragma GCC unroll 2
+#pragma GCC unroll 2
         for (int hh = 0; hh < H; ++hh) {
-          const __m256i raw = loadu(q + 64 * u + 32 * hh);
-          lo[hh] = _mm256_and_si256(raw, low);
-          hi[hh] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+          split_nibbles(loadu(q + 64 * u + 32 * hh), lo[hh], hi[hh]);
           if constexpr (F::kTable) {
             const __m256i table = _mm256_add_epi8(
                 _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kMxfp4Values))),
@@ -102,19 +95,19 @@ void tile(const uint8_t* gw, int64_t nb, int h0, const ActInfo& ai, int64_t e0, 
             hi[hh] = _mm256_shuffle_epi8(table, hi[hh]);
           }
         }
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
         for (int t = 0; t < T; ++t) {
           const __m256i xl = bcast4(xq + 32 * t + 4 * u), xh = bcast4(xq + 32 * t + 16 + 4 * u);
-  #pragma GCC unroll 2
+#pragma GCC unroll 2
           for (int hh = 0; hh < H; ++hh) {
             s16[hh][t] = _mm256_add_epi16(s16[hh][t], _mm256_maddubs_epi16(lo[hh], xl));
             s16[hh][t] = _mm256_add_epi16(s16[hh][t], _mm256_maddubs_epi16(hi[hh], xh));
           }
         }
         if (kWiden && u == 1) {
-  #pragma GCC unroll 2
+#pragma GCC unroll 2
           for (int hh = 0; hh < H; ++hh)
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
             for (int t = 0; t < T; ++t) {
               s32[hh][t] = _mm256_madd_epi16(s16[hh][t], ones);
               s16[hh][t] = _mm256_setzero_si256();

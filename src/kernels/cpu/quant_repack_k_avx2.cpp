@@ -26,13 +26,9 @@ void tile(const uint8_t* gw, int64_t nsb, int h0, const char* x, size_t x_row_by
           float* y, int64_t ldy, int64_t left) {
   const auto* xsums = static_cast<const int16_t*>(sums);
   const BlockQ8_K* xr[T];
-#pragma GCC unroll 16
-  for (int t = 0; t < T; ++t) xr[t] = reinterpret_cast<const BlockQ8_K*>(x + (t0 + t) * x_row_bytes);
+  q8k_rows(x, x_row_bytes, t0, xr);
   __m256 acc[H][T];
-#pragma GCC unroll 2
-  for (int hh = 0; hh < H; ++hh)
-#pragma GCC unroll 16
-    for (int t = 0; t < T; ++t) acc[hh][t] = _mm256_setzero_ps();
+  zero_halves(acc);
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nsb; ++b, gw += kGroupBlockBytes) {
     prefetch_ahead<kGroupBlockBytes, 1>(gw);
@@ -112,13 +108,9 @@ void tile(const uint8_t* gw, int64_t nsb, int h0, const char* x, size_t x_row_by
           float* y, int64_t ldy, int64_t left) {
   const auto* start = static_cast<const int32_t*>(sums);
   const BlockQ8_K* xr[T];
-#pragma GCC unroll 16
-  for (int t = 0; t < T; ++t) xr[t] = reinterpret_cast<const BlockQ8_K*>(x + (t0 + t) * x_row_bytes);
+  q8k_rows(x, x_row_bytes, t0, xr);
   __m256 acc[H][T];
-#pragma GCC unroll 2
-  for (int hh = 0; hh < H; ++hh)
-#pragma GCC unroll 16
-    for (int t = 0; t < T; ++t) acc[hh][t] = _mm256_setzero_ps();
+  zero_halves(acc);
   const __m256i three = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nsb; ++b, gw += kGroupBlockBytes) {
     prefetch_ahead<kGroupBlockBytes, 1>(gw);
