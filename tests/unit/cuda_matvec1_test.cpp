@@ -1,7 +1,8 @@
 // The decode products' epilogues against the separate kernels they replace: SwiGLU of a stacked gate/up
 // product (matvec1.cu, bit-identical), and the next RMSNorm's input written by the product that adds to the
 // residual row (matvec1_norm for one token, matmul_norm for 2-32: a deferred scale, equal up to float
-// rounding), and SwiGLU computed by the down product while it stages its input (bit-identical). Skips without
+// rounding), SwiGLU computed by the down product while it stages its input (bit-identical), and SwiGLU in the
+// batched gate/up product's epilogue (matmul_swiglu, bit-identical at the same warps per tile). Skips without
 // a GPU.
 #include <algorithm>
 #include <cmath>
@@ -504,6 +505,105 @@ TEST(CudaMatmulNorm, EpilogueMatchesSeparateKernel) {
     cu::act_free(a);
     cu::free_matrix(m);
   }
+}
+
+// n >= 2 tokens through a stacked [gate; up] matrix with the SwiGLU in the batched product's epilogue
+// (matmul_swiglu) give exactly the bits of matmul() then prep_act(SwiGlu) at the same kernel shape
+// (set_matmul_shape: 1 or 2 warps per tile, 8, 16 or 32 tokens per CTA), in every plane of every output
+// format, for each weight format, token counts with partial groups of 8, shapes of base (short rows: rounds
+// of 2 at 32 tokens per CTA), a long row (several rounds per warp), an odd number of blocks of 32 (a
+// partial last tile set) and a small matrix. Then, at the epilogue's own choice of shape, a down product
+// reading its output agrees with one reading the separate path's to 2e-3 of its largest output (the choice
+// may sum a row in another order than matmul(), which can move a code by one), wherever the random weights
+// keep the outputs finite (MXFP4's random e8m0 block scales never do: its down check is left out; the
+// planes still match).
+TEST(CudaMatmulSwiGlu, EpilogueMatchesSeparateKernel) {
+  REQUIRE_GPU();
+  struct Shape { int64_t ffn, k; };
+  struct Run { cu::ActKind kind; int split, nt; };
+  std::vector<Run> runs;
+  for (int split : {1, 2})
+    for (int nt : {1, 2, 4}) runs.push_back({cu::ActKind::Q8_0, split, nt});
+  for (cu::ActKind kind : {cu::ActKind::F16, cu::ActKind::BF16, cu::ActKind::F32}) runs.push_back({kind, 2, 1});
+  runs.push_back({cu::ActKind::F16, 1, 4});
+  int readers_checked[64] = {};  // per DType: down checks whose outputs were finite (random Q4_K scales over
+                                 // k = 4096 overflow float)
+  for (DType t : {DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::Q4_K, DType::TQ2_0, DType::F16, DType::BF16})
+  for (const Shape s : {Shape{2048, 768}, Shape{1056, 4096}, Shape{96, 768}, Shape{64, 256}})
+  for (int n : {2, 13, 32}) {
+    const int64_t up = cu::padded_rows(s.ffn);
+    const std::vector<uint8_t> g = random_matrix(t, s.ffn, s.k, 61), u = random_matrix(t, s.ffn, s.k, 62);
+    const size_t rb = dtype_row_bytes(t, (uint64_t)s.k);
+    const cu::MatrixPart parts[2] = {{t, g.data(), s.ffn, s.k, rb}, {t, u.data(), s.ffn, s.k, rb}};
+    cu::Matrix m = cu::upload_matrix(parts, 2, nullptr);
+    cu::ActBuf a = plain_rows(m, s.k, n, 63);
+    DevFloats dy(std::vector<float>((size_t)n * m.rows, 0.0f));
+    const cu::PrepArgs glu{cu::Prep::SwiGlu, dy.p, m.rows, nullptr, 0, up, nullptr};
+    const std::string where = std::string(dtype_name(t)) + " ffn " + std::to_string(s.ffn) + " k " +
+                              std::to_string(s.k) + " tokens " + std::to_string(n);
+    for (const Run r : runs) {
+      SCOPED_TRACE(where + " kind " + std::to_string((int)r.kind) + " split " + std::to_string(r.split) + " nt " +
+                   std::to_string(r.nt));
+      ASSERT_TRUE(cu::matmul_swiglu_fits(m, n, s.ffn, up, r.kind));
+      cu::ActBuf want = cu::act_alloc(r.kind, s.ffn, n), got = cu::act_alloc(r.kind, s.ffn, n);
+      cu::set_matmul_shape(r.split, r.nt);
+      cu::matmul(m, a, n, dy.p, m.rows, m.rows, false, nullptr);
+      cu::prep_act(glu, n, want, nullptr);
+      ASSERT_TRUE(cu::matmul_swiglu(m, a, n, s.ffn, up, got, nullptr));
+      cu::sync_device();
+      cu::set_matmul_shape(0, 0);
+      auto same = [&](const auto* w, const auto* gt, size_t cnt, const char* plane) {
+        if (!w) return;
+        using T = std::remove_cv_t<std::remove_pointer_t<decltype(w)>>;
+        const auto hw = test::download(w, cnt), hg = test::download(gt, cnt);
+        EXPECT_EQ(std::memcmp(hw.data(), hg.data(), cnt * sizeof(T)), 0) << plane;
+      };
+      const size_t ne = (size_t)n * s.ffn, nf = (size_t)(n + 7) / 8 * 8 * ((s.ffn + 31) / 32 * 32);
+      same(want.f, got.f, ne, "f");
+      same(want.q, got.q, ne, "q");
+      same(want.scale, got.scale, ne / 32, "scale");
+      same(want.sum, got.sum, ne / 32, "sum");
+      same(want.fq, got.fq, nf, "fq");
+      same(want.fs, got.fs, nf / 32, "fs");
+      same(want.fsum, got.fsum, nf / 32, "fsum");
+      same(want.hi, got.hi, ne, "hi");
+      same(want.lo, got.lo, ne, "lo");
+      same(want.fhi, got.fhi, nf, "fhi");
+      same(want.flo, got.flo, nf, "flo");
+      if (r.kind == cu::ActKind::F32) {
+        EXPECT_GT(max_abs(test::download(got.f, ne)), 0.0f);
+      }
+      cu::act_free(want);
+      cu::act_free(got);
+    }
+    const bool half = t == DType::F16 || t == DType::BF16;
+    if (!half && t != DType::MXFP4) {  // the default shape, read by a down product of a Q8_0-input format
+      SCOPED_TRACE(where + " down reader");
+      cu::ActBuf want = cu::act_alloc(cu::ActKind::Q8_0, s.ffn, n), got = cu::act_alloc(cu::ActKind::Q8_0, s.ffn, n);
+      cu::matmul(m, a, n, dy.p, m.rows, m.rows, false, nullptr);
+      cu::prep_act(glu, n, want, nullptr);
+      ASSERT_TRUE(cu::matmul_swiglu(m, a, n, s.ffn, up, got, nullptr));
+      cu::sync_device();
+      const DType dt = t == DType::Q4_K || t == DType::TQ2_0 ? DType::Q4_0 : t;
+      const std::vector<uint8_t> dw = random_matrix(dt, 272, s.ffn, 64);
+      cu::Matrix d = upload_one(dt, dw, 272, s.ffn);
+      const std::vector<float> hw = reader_out(d, want, n), hg = reader_out(d, got, n);
+      if (std::all_of(hw.begin(), hw.end(), [](float v) { return std::isfinite(v); })) {
+        EXPECT_GT(max_abs(hw), 0.0f);
+        EXPECT_LE(max_diff(hw, hg), 2e-3f * max_abs(hw)) << "down reader " << dtype_name(dt);
+        ++readers_checked[(int)t];
+      }
+      cu::free_matrix(d);
+      cu::act_free(want);
+      cu::act_free(got);
+    }
+    EXPECT_FALSE(cu::matmul_swiglu_fits(m, 1, s.ffn, up, cu::ActKind::Q8_0));  // one token: matvec1_swiglu
+    EXPECT_FALSE(cu::matmul_swiglu_fits(m, n, s.ffn, up, cu::ActKind::Q8_K));
+    cu::act_free(a);
+    cu::free_matrix(m);
+  }
+  for (DType t : {DType::Q8_0, DType::Q4_0, DType::Q4_K, DType::TQ2_0})
+    EXPECT_GT(readers_checked[(int)t], 0) << dtype_name(t) << ": no down check had finite outputs";
 }
 
 // Where the batched epilogue or its readers cannot apply they say so: F32 rows, one token, outputs not in

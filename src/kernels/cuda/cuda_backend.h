@@ -177,7 +177,7 @@ class CudaBackend final : public Backend {
   void run_linear(const Linear& l, const cuda::PrepArgs& p, int n, float* y, int64_t ldy, int64_t n_out, bool acc,
                   bool prepared = false, const ActBuf* in = nullptr);
   ActBuf* attention_output_act(const Linear& wo, int n);
-  bool run_gate_up_swiglu(const Layer& L, const cuda::PrepArgs& norm, int64_t ffn_off, const ActBuf* in);
+  bool run_gate_up_swiglu(const Layer& L, const cuda::PrepArgs& norm, int n, int64_t ffn_off, const ActBuf* in);
   bool run_qkv(const Layer& L, const cuda::PrepArgs& norm, int n, const int32_t* pos, const int32_t* seq,
                const cuda::KvArgs& kv, const ActBuf* in);
   cuda::RopeKvArgs rope_args(const int32_t* pos, const int32_t* seq, const cuda::KvArgs& kv) const;

@@ -96,18 +96,27 @@ int CudaBackend::kv_l2_positions(const cuda::KvArgs& kv, int64_t kv_dim) {
   return (int)std::min<int64_t>(mb * (1 << 20) / (2 * row), 1 << 30);
 }
 
-// One-token steps: the gate/up product writes silu(gate) * up straight into the down product's input
-// (matvec1_swiglu: one kernel less per layer, same bits). False where it does not apply (nothing queued).
-bool CudaBackend::run_gate_up_swiglu(const Layer& L, const cuda::PrepArgs& norm, int64_t ffn_off, const ActBuf* in) {
+// The gate/up product writes silu(gate) * up straight into the down product's input: one-token steps through
+// matvec1_swiglu (same bits), decode-sized batches through matmul_swiglu where it pays (the product's sums
+// at 2 warps per tile). One kernel less per layer. False where it does not apply (nothing queued); never where cuBLAS
+// would run either product (its inputs are prepared from the gate/up rows, which are then not written).
+bool CudaBackend::run_gate_up_swiglu(const Layer& L, const cuda::PrepArgs& norm, int n, int64_t ffn_off,
+                                     const ActBuf* in) {
   if (!glu_fuse_ || L.gate_up.mats.size() != 1) return false;
+  if (n > 1 && (use_gemm(L.gate_up, n) || use_gemm(L.down, n))) return false;
   const ActKind kind = L.down.mats[0].act();
   for (const Matrix& m : L.down.mats)
     if (m.act() != kind || m.k != c_.ffn_dim) return false;
   const Matrix& m = L.gate_up.mats[0];
-  if (!cuda::swiglu_fuses(m, c_.ffn_dim, ffn_off, kind)) return false;
-  if (!in) prepare_inputs(norm, L.gate_up, 1, false);
+  const bool fits = n == 1 ? cuda::swiglu_fuses(m, c_.ffn_dim, ffn_off, kind)
+                           : cuda::matmul_swiglu_fits(m, n, c_.ffn_dim, ffn_off, kind) && cuda::matmul_swiglu_pays(m, n);
+  if (!fits) return false;
+  if (!in) prepare_inputs(norm, L.gate_up, n, false);
+  ActBuf out = act(kind, c_.ffn_dim);  // copies: act() may grow acts_
+  const ActBuf x = in ? *in : act(m.act(), m.k);
   return queue(stage_, [&] {
-    return cuda::matvec1_swiglu(m, in ? *in : act(m.act(), m.k), c_.ffn_dim, ffn_off, act(kind, c_.ffn_dim), stream_);
+    return n == 1 ? cuda::matvec1_swiglu(m, x, c_.ffn_dim, ffn_off, out, stream_)
+                  : cuda::matmul_swiglu(m, x, n, c_.ffn_dim, ffn_off, out, stream_);
   });
 }
 
@@ -270,7 +279,7 @@ void CudaBackend::enqueue(int n, int n_out, Output out, const StepIo& io) {
     const ActBuf* ffn_in = ffn_folded ? &folded : nullptr;
     cuda::PrepArgs norm2{cuda::Prep::RmsNorm, x_, c_.dim, L.ffn_norm, c_.norm_eps, 0, nullptr};
     stage_ = kGateUp;
-    const bool glu_done = n == 1 && run_gate_up_swiglu(L, norm2, ffn_off, ffn_in);
+    const bool glu_done = run_gate_up_swiglu(L, norm2, n, ffn_off, ffn_in);
     if (!glu_done) run_linear(L.gate_up, norm2, n, gu_, gu_ld, gu_ld, false, false, ffn_in);
     cuda::PrepArgs glu{cuda::Prep::SwiGlu, gu_, gu_ld, nullptr, 0, ffn_off, nullptr};
     // The last layer's down product may prepare the head's input (a one-token step wanting its one row; a

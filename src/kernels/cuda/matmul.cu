@@ -80,6 +80,18 @@ int warps_per_tile(int64_t n_chunks, int64_t tiles, int64_t resident, int round)
   return kWarps / groups;
 }
 
+// Test hook (set_matmul_shape): warps per tile and tokens per CTA (NT) forced on every product, 0 = chosen.
+int g_split_force = 0, g_nt_force = 0;
+
+// Warps per tile of the Glu epilogue (matmul_swiglu): a set must hold a whole block of 32 gate rows and the
+// same rows of up (4 tiles), so at most 2. MERLIN_CUDA_GLU_MM_SPLIT=1 (read once) takes 1 (A/B timing).
+int glu_split() {
+  static const int s = env_int("MERLIN_CUDA_GLU_MM_SPLIT", 2) == 1 ? 1 : 2;
+  return s;
+}
+
+using KernelFn = void (*)(MmArgs);
+
 // Whether the X kernels of the int8 formats apply: every round that starts is whole (whole_rounds). The
 // 32-token X kernels with rounds of 4 spill at their register cap (ptxas -v) except Q4_K's, which spills less
 // than its checked kernel, so other 32-token steps with rounds of 4 keep the checked one (rounds of 2 fit).
@@ -93,6 +105,26 @@ bool exact_rounds(int f, int nt, const MmArgs& p) {
 
 // Most shared memory a CTA of the NT kernel may stage its activations in.
 size_t stage_limit(int nt) { return nt == 4 && nt4_capped() ? kStageMax[0] : kStageMax[nt_index(nt)]; }
+
+// The kernel variant of a launch: rounds of 2 (round_for: the capped 32-token kernel), exact rounds (X),
+// the register-capped 32-token kernel; G (the Glu epilogue) exists capped only (matmul_swiglu_fits).
+template <int F, int NT, bool G>
+KernelFn pick_kernel(bool capped, bool x, int round) {
+  if constexpr (short_rounds_fmt(F) && NT == 4) {
+    if (round == 2) return x ? mm_kernel<F, 4, 2, true, 2, G> : mm_kernel<F, 4, 2, false, 2, G>;
+  }
+  constexpr bool kX = x_built<NT, kRound>(F);  // X kernels built (exact_rounds)
+  constexpr int kMinBlocks = NT == 4 && !G ? 1 : 2;
+  KernelFn kernel = mm_kernel<F, NT, kMinBlocks, false, kRound, G>;
+  if constexpr (kX)
+    if (x) kernel = mm_kernel<F, NT, kMinBlocks, true, kRound, G>;
+  if constexpr (NT == 4) {
+    if (capped) kernel = mm_kernel<F, 4, 2, false, kRound, G>;
+    if constexpr (kX)
+      if (capped && x) kernel = mm_kernel<F, 4, 2, true, kRound, G>;
+  }
+  return kernel;
+}
 
 template <int F, int NT>
 void launch_nt(MmArgs p, Stream stream, int64_t tiles) {
@@ -108,27 +140,14 @@ void launch_nt(MmArgs p, Stream stream, int64_t tiles) {
   const int64_t resident =
       (int64_t)g_sm_count * std::max(1, g_resident[F][capped ? 3 : ni][p.stage_x][x][p.round == 2]);
   p.split = warps_per_tile(p.n_chunks, tiles, resident, p.round);
+  if (p.glu_on) p.split = glu_split();
+  if (g_split_force > 0) p.split = g_split_force;
   if (p.norm_on) p.split = std::min(p.split, 4);  // a tile set of >= 2 tiles holds whole blocks of 32 rows
-  const int64_t sets = (tiles + kWarps / p.split - 1) / (kWarps / p.split);
+  if (p.glu_on) p.split = std::min(p.split, 2);   // a set of >= 2 gate and 2 up tiles: whole blocks
+  const int64_t per_set = kWarps / p.split / (p.glu_on ? 2 : 1);
+  const int64_t sets = ((p.glu_on ? p.glu_tiles : tiles) + per_set - 1) / per_set;
   const dim3 grid((unsigned)std::min(sets, resident), (unsigned)((p.n + 8 * NT - 1) / (8 * NT)));
-  void (*kernel)(MmArgs) = nullptr;
-  if constexpr (short_rounds_fmt(F) && NT == 4) {
-    if (p.round == 2) {  // round_for: the capped 32-token kernel
-      kernel = mm_kernel<F, 4, 2, false, 2>;
-      if (x) kernel = mm_kernel<F, 4, 2, true, 2>;
-    }
-  }
-  if (!kernel) {
-    constexpr bool kX = x_built<NT, kRound>(F);  // X kernels built (exact_rounds)
-    kernel = mm_kernel<F, NT>;
-    if constexpr (kX)
-      if (x) kernel = mm_kernel<F, NT, NT == 4 ? 1 : 2, true>;
-    if constexpr (NT == 4) {
-      if (capped) kernel = mm_kernel<F, 4, 2>;
-      if constexpr (kX)
-        if (capped && x) kernel = mm_kernel<F, 4, 2, true>;
-    }
-  }
+  void (*kernel)(MmArgs) = p.glu_on ? pick_kernel<F, NT, true>(capped, x, p.round) : pick_kernel<F, NT, false>(capped, x, p.round);
   launch_pdl(kernel, grid, kWarps * 32, p.stage_x ? staged : 0, stream, p);
 }
 
@@ -146,9 +165,22 @@ int64_t small_split_tiles() {
 // Tokens per CTA (8 * NT) of an n-token product over a matrix of `tiles` tiles.
 int nt_for(int n, int64_t tiles) { return n <= 8 || tiles < small_split_tiles() ? 1 : n <= 16 ? 2 : 4; }
 
+// Token groups per CTA (NT) of the Glu epilogue: 1 (8-token CTAs), or MERLIN_CUDA_GLU_MM_NT=2 or 4 (read once;
+// A/B timing). Its sets are 4 tiles at 2 warps per tile, so base's gate/up (256 tiles) has only 64 sets:
+// 8-token CTAs give the step 4 x 64 of them, each staging a quarter of the tokens. H200, base tg128 x32
+// (2026-12-01, one call): q4_0 69,706 t/s without the epilogue, 63,119 / 71,453 / 78,171 with NT = 4 / 2 / 1;
+// q8_0 68,236, then 59,515 / 69,388 / 74,995.
+int glu_nt(int n) {
+  static const int forced = (int)env_int("MERLIN_CUDA_GLU_MM_NT", 1);
+  const int nt = forced == 2 || forced == 4 ? forced : 1;
+  return std::min(nt, n <= 8 ? 1 : n <= 16 ? 2 : 4);
+}
+
 template <int F>
 void launch_fmt(const MmArgs& p, Stream stream, int64_t tiles) {
-  switch (nt_for(p.n, tiles)) {
+  int nt = p.glu_on ? glu_nt(p.n) : nt_for(p.n, tiles);
+  if (g_nt_force > 0) nt = g_nt_force;
+  switch (nt) {
     case 1: launch_nt<F, 1>(p, stream, tiles); break;
     case 2: launch_nt<F, 2>(p, stream, tiles); break;
     default: launch_nt<F, 4>(p, stream, tiles); break;
@@ -172,8 +204,33 @@ void prepare_kernel() {
   if constexpr (x_built<NT, kRound>(F)) prepare_variant<F, NT, NT == 4 ? 1 : 2, true>(ni, kStageMax[ni]);
 }
 
+// The Glu epilogue's variants (pick_kernel with G): their shared-memory limits; their residency is taken as
+// the plain variant's (the same register cap).
+template <int F, int NT, int MinBlocks, bool X, int R = kRound>
+void allow_glu_variant(size_t stage_max) {
+  MERLIN_CUDA_CHECK(cudaFuncSetAttribute(mm_kernel<F, NT, MinBlocks, X, R, true>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)stage_max));
+}
+
+template <int F>
+void allow_glu() {
+  allow_glu_variant<F, 1, 2, false>(kStageMax[0]);
+  allow_glu_variant<F, 2, 2, false>(kStageMax[1]);
+  allow_glu_variant<F, 4, 2, false>(kStageMax[0]);
+  if constexpr (x_built<1, kRound>(F)) {
+    allow_glu_variant<F, 1, 2, true>(kStageMax[0]);
+    allow_glu_variant<F, 2, 2, true>(kStageMax[1]);
+  }
+  if constexpr (x_built<4, kRound>(F)) allow_glu_variant<F, 4, 2, true>(kStageMax[0]);
+  if constexpr (short_rounds_fmt(F)) {
+    allow_glu_variant<F, 4, 2, false, 2>(kStageMax[0]);
+    if constexpr (x_built<4, 2>(F)) allow_glu_variant<F, 4, 2, true, 2>(kStageMax[0]);
+  }
+}
+
 template <int F>
 void allow_staging() {
+  allow_glu<F>();
   prepare_kernel<F, 1>();
   prepare_kernel<F, 2>();
   prepare_kernel<F, 4>();
@@ -276,6 +333,48 @@ bool matmul_norm(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ld
   p.norm_w = d_norm_w;
   p.norm_out = out;
   p.norm_part = d_part;
+  launch_product(w.fmt, p, stream);
+  return true;
+}
+
+void set_matmul_shape(int split, int nt) {
+  g_split_force = split == 1 || split == 2 || split == 4 || split == 8 ? split : 0;
+  g_nt_force = nt == 1 || nt == 2 || nt == 4 ? nt : 0;
+}
+
+// MERLIN_CUDA_GLU_MM=0 (read once): no batched Glu epilogue (A/B timing; the SwiGLU kernel runs instead).
+bool matmul_swiglu_fits(const Matrix& w, int n, int64_t ffn, int64_t up_row, ActKind out) {
+  static const bool on = !env_is("MERLIN_CUDA_GLU_MM", "0");
+  if (!nt4_capped()) return false;  // its 32-token kernels are built register-capped only
+  const bool kind = out == ActKind::Q8_0 || out == ActKind::F16 || out == ActKind::BF16 || out == ActKind::F32;
+  return on && kind && w.fmt != kF32 && n >= 2 && ffn > 0 && ffn % 32 == 0 && up_row % 16 == 0 && up_row >= ffn &&
+         up_row + ffn <= w.rows;
+}
+
+// Measured on the H200 (tg128, 2026-12-01, against the product plus the SwiGLU kernel): base (k = 768) q4_0
+// x8 23,806 / 26,317 t/s, x16 40,237 / 41,613, x32 78,970 / 70,393; q8_0 x32 74,995 / 68,236; iphone (k = 3,072)
+// q4_0 x32 9,759 / 10,520. Fewer than 17 tokens give the 4-tile sets too few CTAs, and a long row gives each of
+// a tile's 2 warps many rounds in a row (iphone q4_0: 6, against 2 at 8 warps per tile). MERLIN_CUDA_GLU_MM=1
+// (read once) takes it wherever it fits (A/B timing).
+bool matmul_swiglu_pays(const Matrix& w, int n) {
+  static const bool always = env_is("MERLIN_CUDA_GLU_MM", "1");
+  return always || (n > 16 && geometry(w.fmt, w.rows, w.k).n_chunks <= 24);
+}
+
+bool matmul_swiglu(const Matrix& w, const ActBuf& x, int n, int64_t ffn, int64_t up_row, ActBuf& out, Stream stream) {
+  if (!matmul_swiglu_fits(w, n, ffn, up_row, out.kind)) return false;
+  MERLIN_CHECK(x.kind == w.act() && x.k == w.k && n <= x.n_cap, "matmul_swiglu: activation buffer does not fit the matrix");
+  MERLIN_CHECK(out.k == ffn && n <= out.n_cap, "matmul_swiglu: output buffer of ", out.k, " elements for ", ffn);
+  MERLIN_CHECK(out.kind == ActKind::Q8_0 ? out.fq != nullptr : out.kind == ActKind::F32 || out.fhi != nullptr,
+               "matmul_swiglu: the output needs its fragment planes (act_alloc makes them)");
+  MERLIN_CHECK(!x.rms_part || (n == x.rms_rows && reads_deferred_norm(w, n)),
+               "matmul_swiglu: this product cannot read a deferred RMSNorm of ", x.rms_rows, " rows as ", n, " tokens");
+  MERLIN_CHECK(!x.glu_src, "matmul_swiglu: a SwiGLU row (ActBuf::glu_src) is read by single-token products only");
+  MmArgs p = product_args(w, x, n, nullptr, 0, w.rows, false);
+  p.glu_on = 1;
+  p.glu_up_tile = (int)(up_row / 16);
+  p.glu_tiles = (int)(ffn / 16);
+  p.glu_out = out;
   launch_product(w.fmt, p, stream);
   return true;
 }

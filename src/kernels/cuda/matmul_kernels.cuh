@@ -56,6 +56,10 @@ struct MmArgs {
   ActBuf norm_out{};                 // its Q8_0 codes and unnormalised block scales (fragment planes)
   double* norm_part = nullptr;       // per token and block of 32 outputs, the sum of y^2: [n][n_out / 32]
   unsigned long long* argmax = nullptr;  // matmul_argmax: per token, the largest output's key; y is not written
+  int glu_on = 0;       // matmul_swiglu: a tile set pairs gate tiles with the same tiles of up; y is not written
+  int glu_up_tile = 0;  // first tile of the up rows
+  int glu_tiles = 0;    // tiles of gate rows (ffn / 16)
+  ActBuf glu_out{};     // silu(gate) * up per token: the down product's input (Q8_0, F16, BF16 or F32)
 };
 
 // The activations a CTA reads: the global buffers, or the CTA's own tokens staged in shared memory (from
@@ -425,10 +429,40 @@ __device__ __forceinline__ void reduce_norm(const MmArgs& p, int64_t tile0, int 
   }
 }
 
-// Sums each group's partial tiles (split warps each) in a fixed order (deterministic) and writes (or adds)
-// the outputs; group j of the CTA holds tile tile0 + j.
+// The Glu epilogue (matmul_swiglu) of tile set `set`: groups 0 .. half - 1 hold gate tiles set * half + j,
+// groups half .. the same tiles of up. A warp per (token, block of 32 gate rows), lane = row, sums each row's
+// gate and up partials in reduce_tiles' order (the bits the product would write to y), then writes
+// silu(gate) * up with act_impl.cuh's swiglu() and emit(), as prep_act(SwiGlu) would from those rows. split
+// <= 2 (the host sees to it), so a set holds whole blocks: kWarps / split / 2 >= 2 gate tiles from an even
+// tile; ffn % 32 == 0, so a warp's rows are all valid or not.
 template <int NT>
-__device__ __forceinline__ void reduce_tiles(const MmArgs& p, int64_t tile0, int tb, int warp, int lane,
+__device__ __forceinline__ void reduce_glu(const MmArgs& p, int set, int tb, int warp, int lane,
+                                           float (*red)[NT * 4][32]) {
+  const int half = kWarps / p.split / 2, blocks = half / 2, rr = lane & 15, sub = lane >> 4;
+  for (int pr = warp; pr < 8 * NT * blocks; pr += kWarps) {
+    const int tl = pr / blocks, b = pr % blocks, grp = 2 * b + sub, tk = tl & 7;
+    const int tok = tb + tl;
+    if (tok >= p.n || set * half + 2 * b >= p.glu_tiles) continue;  // warp-uniform
+    const int i = (tl >> 3) * 4 + 2 * (rr >> 3) + (tk & 1), ln = (rr & 7) * 4 + (tk >> 1);
+    float g = 0.f, u = 0.f;
+    for (int w = grp * p.split; w < (grp + 1) * p.split; ++w) g += red[w][i][ln];
+    for (int w = (half + grp) * p.split; w < (half + grp + 1) * p.split; ++w) u += red[w][i][ln];
+    const float v = swiglu(g, u);
+    const int64_t o = (int64_t)(set * half + grp) * 16 + rr;
+    ActBuf out = p.glu_out;
+    switch (out.kind) {
+      case ActKind::Q8_0: emit<(int)ActKind::Q8_0>(v, true, tok, o, out); break;
+      case ActKind::F16: emit<(int)ActKind::F16>(v, true, tok, o, out); break;
+      case ActKind::BF16: emit<(int)ActKind::BF16>(v, true, tok, o, out); break;
+      default: emit<(int)ActKind::F32>(v, true, tok, o, out); break;
+    }
+  }
+}
+
+// Sums each group's partial tiles (split warps each) in a fixed order (deterministic) and writes (or adds)
+// the outputs; group j of the CTA holds tile tile0 + j (with glu_on, reduce_glu's tiles of set `set`).
+template <int NT, bool G>
+__device__ __forceinline__ void reduce_tiles(const MmArgs& p, int set, int64_t tile0, int tb, int warp, int lane,
                                              const float (&acc)[NT][4], float (*red)[NT * 4][32],
                                              unsigned long long* best) {
 #pragma unroll
@@ -436,6 +470,11 @@ __device__ __forceinline__ void reduce_tiles(const MmArgs& p, int64_t tile0, int
 #pragma unroll
     for (int i = 0; i < 4; ++i) red[warp][nt * 4 + i][lane] = acc[nt][i];
   __syncthreads();
+  if constexpr (G) {
+    reduce_glu<NT>(p, set, tb, warp, lane, red);
+    __syncthreads();
+    return;
+  }
   if (p.norm_on) {
     reduce_norm<NT>(p, tile0, tb, warp, lane, red);
     __syncthreads();
@@ -471,6 +510,9 @@ __device__ __forceinline__ void reduce_tiles(const MmArgs& p, int64_t tile0, int
 // synchronizes the CTA, comes at the same item for all warps. With split = 8 (long k) this is one tile per
 // CTA at a time; short k (k = 768 in Q4_0 is 12 chunks: 3 rounds) gets split = 4 and two tiles at once, and
 // because a round's chunks go to the same warp position either way, the sums are bit-identical.
+// With G (matmul_swiglu) a set is half gate tiles (set * half + j) and half the same tiles of up (from
+// glu_up_tile); its kernels are separate instances, so the plain products keep their registers.
+template <bool G>
 struct Items {  // 32-bit and division-free: the 32-token kernel is short of registers
   int rounds, n, c_first, stride, groups, group;
   __device__ Items(const MmArgs& p, int warp) {
@@ -478,7 +520,8 @@ struct Items {  // 32-bit and division-free: the 32-token kernel is short of reg
     group = warp / p.split;
     stride = p.split * p.round;
     rounds = ((int)p.n_chunks + stride - 1) / stride;
-    const int sets = ((int)p.tiles + groups - 1) / groups, bx = (int)blockIdx.x, nb = (int)gridDim.x;
+    const int per_set = G ? groups >> 1 : groups, live_tiles = G ? p.glu_tiles : (int)p.tiles;
+    const int sets = (live_tiles + per_set - 1) / per_set, bx = (int)blockIdx.x, nb = (int)gridDim.x;
     n = rounds * (bx < sets ? (sets - bx + nb - 1) / nb : 0);
     c_first = (warp % p.split) * p.round;
   }
@@ -487,9 +530,22 @@ struct Items {  // 32-bit and division-free: the 32-token kernel is short of reg
 // Where a warp is in its item sequence: tile set and round.
 struct Cursor {
   int set, r;
-  __device__ int tile(const Items& it) const { return set * it.groups + it.group; }
-  __device__ int chunk(const Items& it) const { return it.c_first + r * it.stride; }
-  __device__ Cursor next(const Items& it) const {
+  template <bool G>
+  __device__ int tile(const MmArgs& p, const Items<G>& it) const {
+    if constexpr (!G) return set * it.groups + it.group;
+    const int half = it.groups >> 1, j = it.group & (half - 1);
+    return set * half + j + (it.group < half ? 0 : p.glu_up_tile);
+  }
+  template <bool G>
+  __device__ bool live(const MmArgs& p, const Items<G>& it) const {
+    if constexpr (!G) return set * it.groups + it.group < (int)p.tiles;
+    const int half = it.groups >> 1;
+    return set * half + (it.group & (half - 1)) < p.glu_tiles;
+  }
+  template <bool G>
+  __device__ int chunk(const Items<G>& it) const { return it.c_first + r * it.stride; }
+  template <bool G>
+  __device__ Cursor next(const Items<G>& it) const {
     return r + 1 == it.rounds ? Cursor{set + (int)gridDim.x, 0} : Cursor{set, r + 1};
   }
 };
@@ -497,17 +553,17 @@ struct Cursor {
 // Item i at cursor c: requests item i + 1 into `next`, computes `cur`, reduces the tiles after their last
 // round, and moves c on.
 // With X a round past the end of k (a warp whose share of a short row ends early) is skipped whole.
-template <int F, int R, int NT, bool X>
-__device__ __forceinline__ void run_item(const MmArgs& p, const XView& x, const Items& it, int i, Cursor& c,
+template <int F, int R, int NT, bool X, bool G>
+__device__ __forceinline__ void run_item(const MmArgs& p, const XView& x, const Items<G>& it, int i, Cursor& c,
                                          const Round<F, R>& cur, Round<F, R>& next, int tb, int warp, int lane,
                                          float (&acc)[NT][4], float (*red)[NT * 4][32], unsigned long long* best) {
   const Cursor nx = c.next(it);
-  if (i + 1 < it.n && nx.tile(it) < p.tiles && (!X || nx.chunk(it) < p.n_chunks))
-    load_round<F, R, X>(p, nx.tile(it), nx.chunk(it), lane, next);
-  if (c.tile(it) < p.tiles && (!X || c.chunk(it) < p.n_chunks))
+  if (i + 1 < it.n && nx.live(p, it) && (!X || nx.chunk(it) < p.n_chunks))
+    load_round<F, R, X>(p, nx.tile(p, it), nx.chunk(it), lane, next);
+  if (c.live(p, it) && (!X || c.chunk(it) < p.n_chunks))
     compute_round<F, R, NT, X>(p, x, cur, c.chunk(it), tb, lane >> 2, lane & 3, acc);
   if (c.r == it.rounds - 1) {
-    reduce_tiles<NT>(p, (int64_t)c.set * it.groups, tb, warp, lane, acc, red, best);
+    reduce_tiles<NT, G>(p, c.set, (int64_t)c.set * it.groups, tb, warp, lane, acc, red, best);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
   }
@@ -525,7 +581,8 @@ __device__ __forceinline__ void run_item(const MmArgs& p, const XView& x, const 
 // needs 136-182 registers uncapped and is built both ways: capped by default (batch-32 decode on the H200:
 // base f16 24.4k -> 37.0k t/s, q4_0 37.0k -> 42.0k, macbook q4_0 2.89k -> 3.29k; docs/GPU.md), uncapped
 // with MERLIN_CUDA_NT4_CAP=0 for A/B timing. R: chunks per round (p.round), 4 or 2 (short_rounds_fmt).
-template <int F, int NT, int MinBlocks = NT == 4 ? 1 : 2, bool X = false, int R = kRound>
+// G: the Glu epilogue (matmul_swiglu, reduce_glu); y is not written.
+template <int F, int NT, int MinBlocks = NT == 4 ? 1 : 2, bool X = false, int R = kRound, bool G = false>
 __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float red[kWarps][NT * 4][32];
@@ -533,11 +590,11 @@ __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int tb = blockIdx.y * 8 * NT;
   if (threadIdx.x < 8 * NT) best[threadIdx.x] = 0ull;
-  const Items it(p, warp);
+  const Items<G> it(p, warp);
   Round<F, R> ra{}, rb{};
   Cursor c{(int)blockIdx.x, 0};
-  if (it.n > 0 && c.tile(it) < p.tiles && (!X || c.chunk(it) < p.n_chunks))
-    load_round<F, R, X>(p, c.tile(it), c.chunk(it), lane, ra);
+  if (it.n > 0 && c.live(p, it) && (!X || c.chunk(it) < p.n_chunks))
+    load_round<F, R, X>(p, c.tile(p, it), c.chunk(it), lane, ra);
   pdl_trigger();
   pdl_wait();
   XView x{p.xfq, p.xfs, p.xfsum, p.xfhi, p.xflo, 0};
@@ -547,8 +604,8 @@ __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
   for (int i = 0; i < it.n; i += 2) {
-    run_item<F, R, NT, X>(p, x, it, i, c, ra, rb, tb, warp, lane, acc, red, best);
-    if (i + 1 < it.n) run_item<F, R, NT, X>(p, x, it, i + 1, c, rb, ra, tb, warp, lane, acc, red, best);
+    run_item<F, R, NT, X, G>(p, x, it, i, c, ra, rb, tb, warp, lane, acc, red, best);
+    if (i + 1 < it.n) run_item<F, R, NT, X, G>(p, x, it, i + 1, c, rb, ra, tb, warp, lane, acc, red, best);
   }
   if (p.argmax && threadIdx.x < 8 * NT && tb + (int)threadIdx.x < p.n && best[threadIdx.x] != 0ull)
     atomicMax(p.argmax + tb + threadIdx.x, best[threadIdx.x]);  // reduce_tiles ended with a barrier

@@ -181,6 +181,21 @@ bool reads_deferred_norm(const Matrix& w, int n);
 // Q4_0 +2 to +6 % at every size, MXFP4 +7 to +8 % at 2 and 4 tokens and -1 to -2.5 % from 8 on, Q8_0 within
 // +-2 %; Q4_K and TQ2_0 readers take Q8_K rows and never fold).
 bool matmul_norm_pays(const Matrix& w, int n);
+// n >= 2 tokens through a stacked [gate; up] matrix (up's rows from up_row), written as silu(gate) * up in
+// out's format (the down product's input): what matmul() then prep_act(SwiGlu) give when both run the
+// same warps per tile (set_matmul_shape), in one kernel and without the gate/up rows in memory. Its tile
+// sets pair 2 gate tiles (a block of 32 outputs) with the same up tiles, so it runs 2 (or 1) warps per
+// tile where matmul() may take 8: the sums' order, hence float rounding, can differ from matmul()'s.
+// matmul_swiglu_fits says whether it applies (not F32 rows, Q8_0 / F16 / BF16 / F32 outputs, ffn % 32 == 0);
+// matmul_swiglu returns false (nothing queued) where it does not.
+bool matmul_swiglu_fits(const Matrix& w, int n, int64_t ffn, int64_t up_row, ActKind out);
+bool matmul_swiglu(const Matrix& w, const ActBuf& x, int n, int64_t ffn, int64_t up_row, ActBuf& out, Stream stream);
+// Whether the decode steps take it for w at n tokens: more than 16 tokens and rows of at most 24 chunks (base's
+// k = 768 in the int8 formats), where it was measured faster than the product plus the SwiGLU kernel.
+bool matmul_swiglu_pays(const Matrix& w, int n);
+// Tests: forces the warps per tile (1, 2, 4, 8) and the token groups per CTA (1, 2, 4) of every batched
+// product (clamped where an epilogue needs fewer warps per tile); 0 restores the choice per matrix.
+void set_matmul_shape(int split, int nt);
 // Tests: forces log2 of the warps per tile of the single-token products (clamped per variant); -1 restores
 // the per-matrix choice.
 void set_matvec1_split(int lsplit);
