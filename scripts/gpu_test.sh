@@ -33,13 +33,18 @@ if has tests; then
   # (iphone's) get the separate SwiGLU kernel instead: that path for the Q8_0-reading formats too.
   if MERLIN_CUDA_GLU_STAGE=0 "$BIN"/cuda_backend_test --gtest_brief=1 --gtest_filter='CudaBackend.Logits*:CudaBackend.Greedy*:CudaBackend.Decode*' \
       >>"$OUT/tests.log" 2>&1; then log "PASS cuda_backend_test (MERLIN_CUDA_GLU_STAGE=0)"; else log "FAIL cuda_backend_test (MERLIN_CUDA_GLU_STAGE=0)"; status=1; fi
+  # The batched SwiGLU epilogue runs by default only in steps of 17+ tokens over short rows: the backend's
+  # parity, paged, graph and decode subsets once more with it in every batched step where it fits.
+  if MERLIN_CUDA_GLU_MM=1 "$BIN"/cuda_backend_test --gtest_brief=1 \
+      --gtest_filter='CudaBackend.Logits*:CudaBackend.Paged*:CudaBackend.Greedy*:CudaBackend.Graph*:CudaBackend.Decode*' \
+      >>"$OUT/tests.log" 2>&1; then log "PASS cuda_backend_test (MERLIN_CUDA_GLU_MM=1)"; else log "FAIL cuda_backend_test (MERLIN_CUDA_GLU_MM=1)"; status=1; fi
   grep -E "^\[ (logits|default|gemm|flash) \]|FAILED|Failure|error" "$OUT/tests.log" | head -60
 fi
 
 if has sanitize; then
   # memcheck over the kernel tests and the backend's graph / paged paths (the slow whole-model parity tests
   # run the same kernels and are left out to keep the run short).
-  for spec in "cuda_kernels_test:CudaKernels.*" "cuda_matvec1_test:CudaMatvec1.*:CudaMatmulNorm.*" "cuda_sample_test:CudaSample.*" "cuda_gemm_test:CudaGemm.*" "cuda_attention_test:CudaFlash*:CudaAttention.Q8*" "cuda_backend_test:CudaBackend.GraphReplay*:CudaBackend.Paged*:CudaBackend.GreedyIds*:CudaBackend.SampledIds*:CudaBackend.DecodeGreedy*:CudaBackend.DecodeSample*"; do
+  for spec in "cuda_kernels_test:CudaKernels.*" "cuda_matvec1_test:CudaMatvec1.*:CudaMatmulNorm.*:CudaMatmulSwiGlu.*" "cuda_sample_test:CudaSample.*" "cuda_gemm_test:CudaGemm.*" "cuda_attention_test:CudaFlash*:CudaAttention.Q8*" "cuda_backend_test:CudaBackend.GraphReplay*:CudaBackend.Paged*:CudaBackend.GreedyIds*:CudaBackend.SampledIds*:CudaBackend.DecodeGreedy*:CudaBackend.DecodeSample*"; do
     bin=${spec%%:*}; filter=${spec#*:}
     if "$SAN" --tool memcheck --error-exitcode 3 "$BIN/$bin" --gtest_brief=1 --gtest_filter="$filter" \
         >>"$OUT/sanitize.log" 2>&1; then log "memcheck clean: $bin ($filter)"; else log "memcheck FAILED: $bin"; status=1; fi

@@ -134,7 +134,10 @@ bool CudaBackend::folds_norm(const Linear& producer, const Linear& reader, int n
     if (n > 1 && !cuda::reads_deferred_norm(m, n)) return false;
   }
   const Matrix& m = producer.mats[0];
-  return n == 1 ? cuda::norm_fold_fits(m, c_.dim) : cuda::matmul_norm_fits(m, c_.dim, n) && cuda::matmul_norm_pays(m, n);
+  // MERLIN_CUDA_NORM_PAYS=1 (read once): the batched fold wherever it fits (A/B timing).
+  static const bool always = env_is("MERLIN_CUDA_NORM_PAYS", "1");
+  return n == 1 ? cuda::norm_fold_fits(m, c_.dim)
+                : cuda::matmul_norm_fits(m, c_.dim, n) && (always || cuda::matmul_norm_pays(m, n));
 }
 
 ActBuf CudaBackend::folded_input(int n) const {

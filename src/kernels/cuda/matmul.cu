@@ -317,8 +317,10 @@ bool matmul_norm_fits(const Matrix& w, int64_t n_out, int n) {
 }
 
 bool matmul_norm_pays(const Matrix& w, int n) {
-  const bool fmt = w.fmt == kQ4_0 || (w.fmt == kMXFP4 && n <= 4);
-  return fmt && geometry(w.fmt, w.rows, w.k).n_chunks <= 4 * kRound;
+  const int64_t chunks = geometry(w.fmt, w.rows, w.k).n_chunks;
+  if (w.fmt == kQ4_0) return chunks <= 4 * kRound;
+  if (w.fmt == kMXFP4) return chunks <= 4 * kRound ? n <= 4 || n > 16 : chunks <= 32 && n > 16;
+  return w.fmt == kQ8_0 && chunks <= 64;
 }
 
 bool matmul_norm(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out, bool accumulate,

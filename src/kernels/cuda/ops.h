@@ -174,12 +174,16 @@ bool matmul_norm_fits(const Matrix& w, int64_t n_out, int n);
 bool matmul_norm(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out, bool accumulate,
                  const float* d_norm_w, ActBuf& out, double* d_part, Stream stream);
 bool reads_deferred_norm(const Matrix& w, int n);
-// Whether matmul_norm keeps the plain product's rounds per warp: its at most 4 warps per tile cover a row in
-// one round each (rows of at most 16 chunks: 1,024 columns of Q4_0 / MXFP4, 512 of Q8_0). Longer rows get
-// twice the rounds per warp or more (macbook q4_0 x8 lost 6 %), so the backend folds only where this holds,
-// and for the formats whose n-token steps gained on the H200 (fifteenth session, base x2 .. x32, fold / not:
-// Q4_0 +2 to +6 % at every size, MXFP4 +7 to +8 % at 2 and 4 tokens and -1 to -2.5 % from 8 on, Q8_0 within
-// +-2 %; Q4_K and TQ2_0 readers take Q8_K rows and never fold).
+// Whether the backend folds with matmul_norm, per format and row length (chunks of 512 bytes per tile), as
+// measured on the H200. Its at most 4 warps per tile cover a row of up to 16 chunks (1,024 columns of Q4_0 /
+// MXFP4) in one round each; longer rows get twice the rounds per warp or more (macbook q4_0 x8 lost 6 %).
+// Fifteenth session (base x2 .. x32, fold / not): Q4_0 +2 to +6 % at every size, MXFP4 +7 to +8 % at 2 and 4
+// tokens and -1 to -2.5 % from 8 on. Twenty-sixth session (base tg128, after the batched SwiGLU epilogue;
+// folding also the down product's 32 (Q4_0 / MXFP4) and 64 (Q8_0) chunks, and Q8_0's Wo at 24): Q8_0 x8 /
+// x16 / x32 +6.4 / +5.5 / +3.4 %, MXFP4 -1 / 0 / +4.6 %, Q4_0's down +2 / -2 / 0 %. So: Q4_0 rows of up to 16
+// chunks, MXFP4 up to 16 chunks at 2-4 tokens and up to 32 from 17 tokens on, Q8_0 up to 64 chunks (base's
+// rows; the 3.17B and 7.19B models' are longer and keep the separate kernel). Q4_K and TQ2_0 readers take
+// Q8_K rows and never fold.
 bool matmul_norm_pays(const Matrix& w, int n);
 // n >= 2 tokens through a stacked [gate; up] matrix (up's rows from up_row), written as silu(gate) * up in
 // out's format (the down product's input): what matmul() then prep_act(SwiGlu) give when both run the
