@@ -73,6 +73,29 @@ size_t frag_code(int t, int64_t i, int64_t k) {
 }
 size_t frag_scale(int t, int64_t b, int64_t k) { return (size_t)(((int64_t)(t >> 3) * (k >> 5) + b) * 8 + (t & 7)); }
 
+// Every plane of two activation buffers holding n rows of k elements, byte for byte (fragment planes in whole
+// groups of 8 rows and, for halves, rows padded to 32 columns: the padding is zero in both).
+void expect_same_planes(const cu::ActBuf& want, const cu::ActBuf& got, int n, int64_t k) {
+  auto same = [&](const auto* w, const auto* g, size_t cnt, const char* plane) {
+    if (!w) return;
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(w)>>;
+    const auto hw = test::download(w, cnt), hg = test::download(g, cnt);
+    EXPECT_EQ(std::memcmp(hw.data(), hg.data(), cnt * sizeof(T)), 0) << plane;
+  };
+  const size_t ne = (size_t)n * k, nf = (size_t)(n + 7) / 8 * 8 * (size_t)((k + 31) / 32 * 32);
+  same(want.f, got.f, ne, "f");
+  same(want.q, got.q, ne, "q");
+  same(want.scale, got.scale, ne / 32, "scale");
+  same(want.sum, got.sum, ne / 32, "sum");
+  same(want.fq, got.fq, nf, "fq");
+  same(want.fs, got.fs, nf / 32, "fs");
+  same(want.fsum, got.fsum, nf / 32, "fsum");
+  same(want.hi, got.hi, ne, "hi");
+  same(want.lo, got.lo, ne, "lo");
+  same(want.fhi, got.fhi, nf, "fhi");
+  same(want.flo, got.flo, nf, "flo");
+}
+
 }  // namespace
 
 // One token through a stacked [gate; up] matrix with the SwiGLU in the product's epilogue (matvec1_swiglu)
@@ -112,24 +135,8 @@ TEST(CudaMatvec1, SwiGluEpilogueMatchesSeparateKernel) {
       ASSERT_TRUE(cu::matvec1_swiglu(m, a, s.ffn, up, got, nullptr));
       cu::sync_device();
       cu::set_matvec1_split(-1);
-      auto same = [&](const auto* w, const auto* gt, size_t n, const char* plane) {
-        if (!w) return;
-        using T = std::remove_cv_t<std::remove_pointer_t<decltype(w)>>;
-        const auto hw = test::download(w, n), hg = test::download(gt, n);
-        EXPECT_EQ(std::memcmp(hw.data(), hg.data(), n * sizeof(T)), 0) << plane;
-      };
-      const size_t n = (size_t)s.ffn, nf = 8 * (size_t)s.ffn;
-      same(want.f, got.f, n, "f");
-      same(want.q, got.q, n, "q");
-      same(want.scale, got.scale, n / 32, "scale");
-      same(want.sum, got.sum, n / 32, "sum");
-      same(want.fq, got.fq, nf, "fq");
-      same(want.fs, got.fs, nf / 32, "fs");
-      same(want.fsum, got.fsum, nf / 32, "fsum");
-      same(want.hi, got.hi, n, "hi");
-      same(want.lo, got.lo, n, "lo");
-      same(want.fhi, got.fhi, nf, "fhi");
-      same(want.flo, got.flo, nf, "flo");
+      expect_same_planes(want, got, 1, s.ffn);
+      const size_t n = (size_t)s.ffn;
       if (kind == cu::ActKind::F32) {
         EXPECT_GT(max_abs(test::download(got.f, n)), 0.0f);
       }
@@ -552,24 +559,8 @@ TEST(CudaMatmulSwiGlu, EpilogueMatchesSeparateKernel) {
       ASSERT_TRUE(cu::matmul_swiglu(m, a, n, s.ffn, up, got, nullptr));
       cu::sync_device();
       cu::set_matmul_shape(0, 0);
-      auto same = [&](const auto* w, const auto* gt, size_t cnt, const char* plane) {
-        if (!w) return;
-        using T = std::remove_cv_t<std::remove_pointer_t<decltype(w)>>;
-        const auto hw = test::download(w, cnt), hg = test::download(gt, cnt);
-        EXPECT_EQ(std::memcmp(hw.data(), hg.data(), cnt * sizeof(T)), 0) << plane;
-      };
-      const size_t ne = (size_t)n * s.ffn, nf = (size_t)(n + 7) / 8 * 8 * ((s.ffn + 31) / 32 * 32);
-      same(want.f, got.f, ne, "f");
-      same(want.q, got.q, ne, "q");
-      same(want.scale, got.scale, ne / 32, "scale");
-      same(want.sum, got.sum, ne / 32, "sum");
-      same(want.fq, got.fq, nf, "fq");
-      same(want.fs, got.fs, nf / 32, "fs");
-      same(want.fsum, got.fsum, nf / 32, "fsum");
-      same(want.hi, got.hi, ne, "hi");
-      same(want.lo, got.lo, ne, "lo");
-      same(want.fhi, got.fhi, nf, "fhi");
-      same(want.flo, got.flo, nf, "flo");
+      expect_same_planes(want, got, n, s.ffn);
+      const size_t ne = (size_t)n * s.ffn;
       if (r.kind == cu::ActKind::F32) {
         EXPECT_GT(max_abs(test::download(got.f, ne)), 0.0f);
       }
