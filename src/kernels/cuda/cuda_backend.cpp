@@ -62,6 +62,7 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   embed_fuse_ = !env_is("MERLIN_CUDA_EMBED_FUSE", "0");
   norm_fold_ = !env_is("MERLIN_CUDA_NORM_FOLD", "0") && c_.dim % 32 == 0;
   norm_fold_mm_ = (int)std::clamp(env_int("MERLIN_CUDA_NORM_FOLD_MM", norm_fold_mm_), 0L, (long)kGraphMaxTokens);
+  norm_fold_always_ = env_is("MERLIN_CUDA_NORM_PAYS", "1");
   split_attention_ = !env_is("MERLIN_CUDA_SPLITK", "0");
   twice_ = parse_stages(std::getenv("MERLIN_CUDA_TWICE"));
   if (opts.long_decode) {

@@ -225,6 +225,7 @@ class CudaBackend final : public Backend {
   // It lost 2-5 % at 16 and 32 tokens when it came (eleventh session); with the rounds of 2 chunks since, it
   // gains (fifteenth session, docs/GPU.md).
   int norm_fold_mm_ = kGraphMaxTokens;
+  bool norm_fold_always_ = false;  // MERLIN_CUDA_NORM_PAYS=1: batched folds wherever they fit (A/B timing)
   unsigned twice_ = 0;  // MERLIN_CUDA_TWICE
   // MERLIN_CUDA_STEP_TIMING=1 (A/B timing): per graph step, the GPU's span (events around the launch) and the
   // host's wall time of run_step, averaged and printed to stderr when the backend is destroyed.

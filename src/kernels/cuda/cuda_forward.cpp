@@ -98,8 +98,9 @@ int CudaBackend::kv_l2_positions(const cuda::KvArgs& kv, int64_t kv_dim) {
 
 // The gate/up product writes silu(gate) * up straight into the down product's input: one-token steps through
 // matvec1_swiglu (same bits), decode-sized batches through matmul_swiglu where it pays (the product's sums
-// at 2 warps per tile). One kernel less per layer. False where it does not apply (nothing queued); never where cuBLAS
-// would run either product (its inputs are prepared from the gate/up rows, which are then not written).
+// at 2 warps per tile). One kernel less per layer. False where it does not apply (nothing queued); never
+// where cuBLAS would run either product (its inputs are prepared from the gate/up rows, which are then not
+// written).
 bool CudaBackend::run_gate_up_swiglu(const Layer& L, const cuda::PrepArgs& norm, int n, int64_t ffn_off,
                                      const ActBuf* in) {
   if (!glu_fuse_ || L.gate_up.mats.size() != 1) return false;
@@ -134,10 +135,8 @@ bool CudaBackend::folds_norm(const Linear& producer, const Linear& reader, int n
     if (n > 1 && !cuda::reads_deferred_norm(m, n)) return false;
   }
   const Matrix& m = producer.mats[0];
-  // MERLIN_CUDA_NORM_PAYS=1 (read once): the batched fold wherever it fits (A/B timing).
-  static const bool always = env_is("MERLIN_CUDA_NORM_PAYS", "1");
   return n == 1 ? cuda::norm_fold_fits(m, c_.dim)
-                : cuda::matmul_norm_fits(m, c_.dim, n) && (always || cuda::matmul_norm_pays(m, n));
+                : cuda::matmul_norm_fits(m, c_.dim, n) && (norm_fold_always_ || cuda::matmul_norm_pays(m, n));
 }
 
 ActBuf CudaBackend::folded_input(int n) const {
