@@ -38,13 +38,18 @@ if has tests; then
   if MERLIN_CUDA_GLU_MM=1 "$BIN"/cuda_backend_test --gtest_brief=1 \
       --gtest_filter='CudaBackend.Logits*:CudaBackend.Paged*:CudaBackend.Greedy*:CudaBackend.Graph*:CudaBackend.Decode*' \
       >>"$OUT/tests.log" 2>&1; then log "PASS cuda_backend_test (MERLIN_CUDA_GLU_MM=1)"; else log "FAIL cuda_backend_test (MERLIN_CUDA_GLU_MM=1)"; status=1; fi
+  # Q8_0 / Q4_0 products of 17+ tokens read half activations by default (the H kernels): the same subsets
+  # once more on the int8 kernels everywhere.
+  if MERLIN_CUDA_HALF_MM=0 "$BIN"/cuda_backend_test --gtest_brief=1 \
+      --gtest_filter='CudaBackend.Logits*:CudaBackend.Paged*:CudaBackend.Greedy*:CudaBackend.Graph*:CudaBackend.Decode*' \
+      >>"$OUT/tests.log" 2>&1; then log "PASS cuda_backend_test (MERLIN_CUDA_HALF_MM=0)"; else log "FAIL cuda_backend_test (MERLIN_CUDA_HALF_MM=0)"; status=1; fi
   grep -E "^\[ (logits|default|gemm|flash) \]|FAILED|Failure|error" "$OUT/tests.log" | head -60
 fi
 
 if has sanitize; then
   # memcheck over the kernel tests and the backend's graph / paged paths (the slow whole-model parity tests
   # run the same kernels and are left out to keep the run short).
-  for spec in "cuda_kernels_test:CudaKernels.*" "cuda_matvec1_test:CudaMatvec1.*:CudaMatmulNorm.*:CudaMatmulSwiGlu.*" "cuda_sample_test:CudaSample.*" "cuda_gemm_test:CudaGemm.*" "cuda_attention_test:CudaFlash*:CudaAttention.Q8*" "cuda_backend_test:CudaBackend.GraphReplay*:CudaBackend.Paged*:CudaBackend.GreedyIds*:CudaBackend.SampledIds*:CudaBackend.DecodeGreedy*:CudaBackend.DecodeSample*"; do
+  for spec in "cuda_kernels_test:CudaKernels.*" "cuda_matvec1_test:CudaMatvec1.*:CudaMatmulNorm.*:CudaMatmulSwiGlu.*:CudaMatmulHalf.*" "cuda_sample_test:CudaSample.*" "cuda_gemm_test:CudaGemm.*" "cuda_attention_test:CudaFlash*:CudaAttention.Q8*" "cuda_backend_test:CudaBackend.GraphReplay*:CudaBackend.Paged*:CudaBackend.GreedyIds*:CudaBackend.SampledIds*:CudaBackend.DecodeGreedy*:CudaBackend.DecodeSample*"; do
     bin=${spec%%:*}; filter=${spec#*:}
     if "$SAN" --tool memcheck --error-exitcode 3 "$BIN/$bin" --gtest_brief=1 --gtest_filter="$filter" \
         >>"$OUT/sanitize.log" 2>&1; then log "memcheck clean: $bin ($filter)"; else log "memcheck FAILED: $bin"; status=1; fi

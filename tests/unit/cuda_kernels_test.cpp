@@ -353,9 +353,11 @@ TEST(CudaKernels, SingleTokenProductMatchesScalarCpu) {
 // tiles that a CTA works on 2-8 of them at once (warps_per_tile in matmul.cu). One exception: the 32-token
 // kernel splits short rows of the int8 formats other than Q4_K into rounds of 2 chunks (round_for), so
 // there a 17..32-token call sums in another order than a 5-token one: within float rounding of it, and bit
-// for bit equal to another 17..32-token call.
+// for bit equal to another 17..32-token call. The int8 kernels throughout: the H kernels that Q8_0 / Q4_0 take
+// from 17 tokens on (matmul_half_pays) have their own test (CudaMatmulHalf.*).
 TEST(CudaKernels, BatchedVariantsAreBitIdentical) {
   REQUIRE_GPU();
+  cu::set_matmul_half(false);
   const auto& scalar = kernels::kernels_for(KernelLevel::Scalar);
   struct Shape { int64_t rows, k; };
   // 301 tiles: more than any current GPU's SM count. k = 768 in the 4-bit formats is 12 chunks: rounds of 2
@@ -420,13 +422,15 @@ TEST(CudaKernels, BatchedVariantsAreBitIdentical) {
     }
     cu::free_matrix(m);
   }
+  cu::set_matmul_half(true);
 }
 
 // 32-token products over many tiles of short rows (warps_per_tile's rule for base's output head: 2 warps per
 // tile, each walking k in several rounds): against the scalar CPU, 17 tokens bit-identical to the same rows
-// of 32, and the fused argmax head picking argmax_rows' index over those logits.
+// of 32, and the fused argmax head picking argmax_rows' index over those logits. The int8 kernels (as above).
 TEST(CudaKernels, ManyTilesMatchScalarCpu) {
   REQUIRE_GPU();
+  cu::set_matmul_half(false);
   const auto& scalar = kernels::kernels_for(KernelLevel::Scalar);
   const int64_t rows = 16 * 3200 + 5, k = 768;  // 3,201 tiles: past 8 per resident CTA on the H200
   for (DType t : {DType::Q4_0, DType::Q8_0}) {
@@ -475,6 +479,7 @@ TEST(CudaKernels, ManyTilesMatchScalarCpu) {
     cu::dev_free(ids);
     cu::free_matrix(m);
   }
+  cu::set_matmul_half(true);
 }
 
 TEST(CudaKernels, StackedMatricesKeepTheirRows) {

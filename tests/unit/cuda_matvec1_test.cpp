@@ -13,6 +13,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "kernels/cpu/kernels.h"
 #include "kernels/cuda/cuda_api.h"
 #include "kernels/cuda/matvec1.h"
 #include "kernels/cuda/ops.h"
@@ -90,6 +91,7 @@ void expect_same_planes(const cu::ActBuf& want, const cu::ActBuf& got, int n, in
   same(want.fq, got.fq, nf, "fq");
   same(want.fs, got.fs, nf / 32, "fs");
   same(want.fsum, got.fsum, nf / 32, "fsum");
+  same(want.fh, got.fh, nf, "fh");
   same(want.hi, got.hi, ne, "hi");
   same(want.lo, got.lo, ne, "lo");
   same(want.fhi, got.fhi, nf, "fhi");
@@ -571,10 +573,14 @@ TEST(CudaMatmulSwiGlu, EpilogueMatchesSeparateKernel) {
     if (!half && t != DType::MXFP4) {  // the default shape, read by a down product of a Q8_0-input format
       SCOPED_TRACE(where + " down reader");
       cu::ActBuf want = cu::act_alloc(cu::ActKind::Q8_0, s.ffn, n), got = cu::act_alloc(cu::ActKind::Q8_0, s.ffn, n);
+      // The int8 kernels on both paths: at 32 tokens matmul() of a Q8_0 / Q4_0 matrix this size would take an
+      // H kernel (half activations: another rounding of x than the epilogue's int8 codes).
+      cu::set_matmul_half(false);
       cu::matmul(m, a, n, dy.p, m.rows, m.rows, false, nullptr);
       cu::prep_act(glu, n, want, nullptr);
       ASSERT_TRUE(cu::matmul_swiglu(m, a, n, s.ffn, up, got, nullptr));
       cu::sync_device();
+      cu::set_matmul_half(true);
       const DType dt = t == DType::Q4_K || t == DType::TQ2_0 ? DType::Q4_0 : t;
       const std::vector<uint8_t> dw = random_matrix(dt, 272, s.ffn, 64);
       cu::Matrix d = upload_one(dt, dw, 272, s.ffn);
@@ -616,4 +622,132 @@ TEST(CudaMatmulNorm, RefusesWhatItCannotDo) {
   EXPECT_FALSE(cu::reads_deferred_norm(mb, 16));  // 16 or 32 rows of 4096 per CTA (144 tiles) do not fit
   EXPECT_FALSE(cu::reads_deferred_norm(mb, 32));
   for (cu::Matrix* m : {&mf, &mq, &mk, &mb}) cu::free_matrix(*m);
+}
+
+// The H kernels (matmul_half_pays): 17..32-token products of Q8_0 / Q4_0 rows that dequantize each k-step's
+// weights to half (value * scale, rounded once) and multiply them with the activations' half plane
+// (ActBuf::fh) in m16n8k16 products with f32 sums. Against a CPU reference of exactly that arithmetic
+// (dequantize_row rounded to half, x rounded to half, sums in double), to 1e-5 of each output's sum of
+// |terms|, on shapes that take rounds of 2 (exact and checked: an odd number of Q4_0 k-steps), rounds of 4,
+// rows too long to stage (k = 4,096: the plane is read from global memory), a partial tile and many tiles;
+// 32-token CTAs forced where the rule would give a small matrix 8-token ones. Also: 17 tokens bit-identical
+// to the same rows of 32, the accumulate epilogue, the fused argmax head against argmax_rows over the same
+// products, and a reader of a deferred RMSNorm (matmul_norm's output: the kernel scales its sums by 1 / rms)
+// against one reading prep_act's rows, to 2e-3 of its largest output.
+TEST(CudaMatmulHalf, ProductsMatchHalfReference) {
+  REQUIRE_GPU();
+  struct Shape { int64_t rows, k; };
+  for (DType t : {DType::Q8_0, DType::Q4_0})
+  for (const Shape s : {Shape{130, 800}, Shape{16 * 150 + 5, 768}, Shape{16 * 300 + 5, 512}, Shape{301, 4096},
+                        Shape{16 * 40, 2048}}) {
+    SCOPED_TRACE(std::string(dtype_name(t)) + " rows " + std::to_string(s.rows) + " k " + std::to_string(s.k));
+    const std::vector<uint8_t> w = random_matrix(t, s.rows, s.k, 81);
+    const size_t rb = dtype_row_bytes(t, (uint64_t)s.k);
+    cu::Matrix m = upload_one(t, w, s.rows, s.k);
+    ASSERT_TRUE(cu::matmul_half_pays(m, 17));
+    ASSERT_FALSE(cu::matmul_half_pays(m, 16));
+    std::vector<float> wh((size_t)s.rows * s.k);
+    for (int64_t r = 0; r < s.rows; ++r) kernels::dequantize_row(t, &w[r * rb], &wh[r * s.k], s.k);
+    for (float& v : wh) v = half_round(v);
+    const std::vector<float> x = gaussian((size_t)32 * s.k, 82, 2.0f);
+    DevFloats dx(x);
+    cu::set_matmul_shape(0, 4);
+    std::vector<float> all32;
+    for (int n : {32, 17}) {
+      cu::ActBuf a = cu::act_alloc(m.act(), s.k, n);
+      cu::PrepArgs plain;
+      plain.d_x = dx.p;
+      plain.ld = s.k;
+      cu::prep_act(plain, n, a, nullptr);
+      DevFloats dy(std::vector<float>((size_t)n * s.rows, 1.0f));
+      cu::matmul(m, a, n, dy.p, s.rows, s.rows, true, nullptr);
+      cu::sync_device();
+      const std::vector<float> got = test::download(dy.p, (size_t)n * s.rows);
+      cu::act_free(a);
+      if (n == 17) {
+        for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], all32[i]) << "17 tokens against 32, element " << i;
+        continue;
+      }
+      all32 = got;
+      float worst = 0;  // in units of each output's bound
+      for (int tok = 0; tok < n; ++tok)
+        for (int64_t r = 0; r < s.rows; ++r) {
+          double sum = 0, mag = 0;
+          for (int64_t i = 0; i < s.k; ++i) {
+            const double term = (double)wh[r * s.k + i] * half_round(x[(size_t)tok * s.k + i]);
+            sum += term;
+            mag += std::fabs(term);
+          }
+          const double err = std::fabs((double)got[(size_t)tok * s.rows + r] - 1.0 - sum);
+          worst = std::max(worst, (float)(err / (1e-5 * mag + 1e-6 * (1.0 + std::fabs(sum)))));
+        }
+      EXPECT_LE(worst, 1.0f) << "against the half reference";
+    }
+    if (s.rows >= 16 * 150) {  // the fused argmax head over the same products
+      const int n = 32;
+      cu::ActBuf a = cu::act_alloc(m.act(), s.k, n);
+      cu::PrepArgs plain;
+      plain.d_x = dx.p;
+      plain.ld = s.k;
+      cu::prep_act(plain, n, a, nullptr);
+      DevFloats dy(std::vector<float>((size_t)n * s.rows, 0.0f));
+      auto* keys = static_cast<unsigned long long*>(cu::dev_alloc(n * sizeof(unsigned long long)));
+      auto* ids = static_cast<int32_t*>(cu::dev_alloc(2 * n * sizeof(int32_t)));
+      cu::matmul(m, a, n, dy.p, s.rows, s.rows, false, nullptr);
+      cu::argmax_rows(dy.p, s.rows, n, s.rows, ids, nullptr);
+      cu::matmul_argmax(m, a, n, s.rows, keys, nullptr);
+      cu::argmax_keys_to_ids(keys, n, ids + n, nullptr);
+      cu::sync_device();
+      EXPECT_EQ(test::download(ids + n, (size_t)n), test::download(ids, (size_t)n)) << "fused argmax head";
+      cu::dev_free(keys);
+      cu::dev_free(ids);
+      cu::act_free(a);
+    }
+    if (s.k == 768 || s.k == 2048) {  // a reader of a deferred RMSNorm: m reads what a producer of k rows wrote
+      const int n = 32;
+      const float eps = 1e-5f;
+      const std::vector<uint8_t> pw = random_matrix(DType::Q8_0, s.k, 512, 83);
+      cu::Matrix prod = upload_one(DType::Q8_0, pw, s.k, 512);
+      cu::ActBuf px = plain_rows(prod, 512, n, 84);
+      const std::vector<float> y0 = gaussian((size_t)n * s.k, 85, 3.0f);
+      DevFloats dnw(norm_weights(s.k, 86)), want_y(y0), got_y(y0);
+      double* part = static_cast<double*>(cu::dev_alloc((size_t)n * (s.k / 32) * sizeof(double)));
+      cu::ActBuf want = cu::act_alloc(cu::ActKind::Q8_0, s.k, n), got = cu::act_alloc(cu::ActKind::Q8_0, s.k, n);
+      cu::matmul(prod, px, n, want_y.p, s.k, s.k, true, nullptr);
+      const cu::PrepArgs norm{cu::Prep::RmsNorm, want_y.p, s.k, dnw.p, eps, 0, nullptr};
+      cu::prep_act(norm, n, want, nullptr);
+      ASSERT_TRUE(cu::matmul_norm(prod, px, n, got_y.p, s.k, s.k, true, dnw.p, got, part, nullptr));
+      cu::sync_device();
+      cu::ActBuf folded = got;
+      folded.rms_part = part;
+      folded.rms_eps = eps;
+      folded.rms_rows = n;
+      const std::vector<float> hw = reader_out(m, want, n), hg = reader_out(m, folded, n);
+      EXPECT_GT(max_abs(hw), 0.0f);
+      EXPECT_LE(max_diff(hw, hg), 2e-3f * max_abs(hw)) << "reader of a deferred RMSNorm";
+      cu::act_free(want);
+      cu::act_free(got);
+      cu::act_free(px);
+      cu::dev_free(part);
+      cu::free_matrix(prod);
+    }
+    cu::set_matmul_shape(0, 0);
+    cu::free_matrix(m);
+  }
+}
+
+// The rule: Q8_0 and Q4_0 rows from 17 tokens on, never other formats; set_matmul_half(false) turns it off.
+TEST(CudaMatmulHalf, RuleAndSwitch) {
+  REQUIRE_GPU();
+  for (DType t : {DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::Q4_K, DType::TQ2_0, DType::F16}) {
+    const std::vector<uint8_t> w = random_matrix(t, 64, 256, 87);
+    cu::Matrix m = upload_one(t, w, 64, 256);
+    const bool half = t == DType::Q8_0 || t == DType::Q4_0;
+    EXPECT_EQ(cu::matmul_half_pays(m, 32), half) << dtype_name(t);
+    EXPECT_FALSE(cu::matmul_half_pays(m, 8)) << dtype_name(t);
+    cu::set_matmul_half(false);
+    EXPECT_FALSE(cu::matmul_half_pays(m, 32)) << dtype_name(t);
+    cu::set_matmul_half(true);
+    cu::free_matrix(m);
+  }
 }

@@ -119,6 +119,7 @@ ActBuf act_alloc(ActKind kind, int64_t k, int n_cap) {
       a.fq = static_cast<int8_t*>(dev_alloc(nf));
       a.fs = static_cast<float*>(dev_alloc(nf / 32 * 4));
       a.fsum = static_cast<int32_t*>(dev_alloc(nf / 32 * 4));
+      if (kind == ActKind::Q8_0) a.fh = static_cast<uint16_t*>(dev_alloc(nf * 2));
       break;
     }
   }
@@ -135,6 +136,7 @@ void act_free(ActBuf& a) {
   dev_free(a.fq);
   dev_free(a.fs);
   dev_free(a.fsum);
+  dev_free(a.fh);
   dev_free(a.fhi);
   dev_free(a.flo);
   a = ActBuf{};

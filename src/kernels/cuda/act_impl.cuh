@@ -34,6 +34,17 @@ __host__ __device__ __forceinline__ int64_t frag_scale_index(int t, int64_t bloc
   return ((int64_t)(t >> 3) * (k >> 5) + block) * 8 + (t & 7);
 }
 
+// Where element i of row t lies in the half plane of Q8_0 activations (ActBuf::fh): the same groups, blocks
+// and lanes as frag_code_index, 8 halves per lane, but each 4 elements of a lane in the order 0, 2, 1, 3. A
+// lane's weights of k-step elements 4c..4c+3 dequantize cheapest in the pairs (4c, 4c + 2) and (4c + 1,
+// 4c + 3) (a nibble or byte mask keeps every other byte), and an m16n8k16 product only needs its A and B
+// operands to pair the same columns (matmul_kernels.cuh, half_act_step).
+__host__ __device__ __forceinline__ int64_t frag_h_index(int t, int64_t i, int64_t k) {
+  const int j = (int)(i & 31);
+  const int lane = (t & 7) * 4 + ((j & 15) >> 2);
+  return (((int64_t)(t >> 3) * (k >> 5) + (i >> 5)) * 32 + lane) * 8 + (j >> 4) * 4 + ((j & 1) << 1) + ((j >> 1) & 1);
+}
+
 // The same for F16/BF16 halves (ActBuf::fhi, flo): per group of 8 rows and 32 columns (rows padded to a
 // multiple of 32), lane L = 4 g + c finds row g's columns 8c..8c+7 at halves 8 L .. 8 L + 7 (the batched
 // half product's k-steps 2p and 2p + 1 read columns 8c..8c+3 and 8c+4..8c+7 of block p, matrix_layout.cuh).
@@ -147,6 +158,7 @@ __device__ void emit(float v, bool valid, int t, int64_t i, ActBuf& o) {
       float amax;
       const int q = warp_q8_0(v, amax);
       put_code(o, t, i, q);
+      if (o.fh) o.fh[frag_h_index(t, i, k)] = __half_as_ushort(__float2half_rn(v));
       const int s = warp_sum_int(q);
       if ((threadIdx.x & 31) == 0) put_block(o, t, i / 32, round_to_half(amax / 127.0f), s);
     }

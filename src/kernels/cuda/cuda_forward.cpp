@@ -23,6 +23,7 @@ void CudaBackend::prepare_inputs(const cuda::PrepArgs& p, const Linear& l, int n
       out.fq = nullptr;
       out.fs = nullptr;
       out.fsum = nullptr;
+      out.fh = nullptr;
       out.fhi = nullptr;
       out.flo = nullptr;
     }

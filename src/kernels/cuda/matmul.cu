@@ -82,6 +82,7 @@ int warps_per_tile(int64_t n_chunks, int64_t tiles, int64_t resident, int round)
 
 // Test hook (set_matmul_shape): warps per tile and tokens per CTA (NT) forced on every product, 0 = chosen.
 int g_split_force = 0, g_nt_force = 0;
+bool g_half_off = false;  // test hook (set_matmul_half)
 
 // Warps per tile of the Glu epilogue (matmul_swiglu): a set must hold a whole block of 32 gate rows and the
 // same rows of up (4 tiles), so at most 2. MERLIN_CUDA_GLU_MM_SPLIT=1 (read once) takes 1 (A/B timing).
@@ -126,15 +127,30 @@ KernelFn pick_kernel(bool capped, bool x, int round) {
   return kernel;
 }
 
+// The H kernels (half activations, matmul_half_pays): the capped 32-token kernel of Q8_0 and Q4_0, rounds
+// of 2 (exact or checked) and of 4 (checked), with and without the Glu epilogue.
+constexpr bool h_built(int f) { return f == kQ8_0 || f == kQ4_0; }
+
+template <int F, bool G>
+KernelFn pick_half_kernel(bool x, int round) {
+  if constexpr (h_built(F)) {
+    if (round == 2) return x ? mm_kernel<F, 4, 2, true, 2, G, true> : mm_kernel<F, 4, 2, false, 2, G, true>;
+    return mm_kernel<F, 4, 2, false, kRound, G, true>;
+  }
+  fail("matmul: no half-activation kernel for this format");
+}
+
 template <int F, int NT>
 void launch_nt(MmArgs p, Stream stream, int64_t tiles) {
   constexpr int ni = nt_index(NT);
   const bool capped = NT == 4 && nt4_capped();
-  const size_t staged = staged_bytes(F, p.k, std::min(8 * NT, p.n)) +
-                        (p.rms_part ? deferred_part_bytes(p.k, std::min(8 * NT, p.n)) : 0);
+  const bool h = p.half_x != 0;
+  MERLIN_CHECK(!h || (NT == 4 && capped && h_built(F) && !p.fuse_prep), "internal: no H kernel for this launch");
+  const size_t staged = staged_bytes(F, p.k, std::min(8 * NT, p.n), h) +
+                        (p.rms_part && !h ? deferred_part_bytes(p.k, std::min(8 * NT, p.n)) : 0);
   p.stage_x = staged <= stage_limit(NT) ? 1 : 0;
   MERLIN_CHECK(p.stage_x || !p.fuse_prep, "matmul: a fused preparation needs the activations in shared memory");
-  MERLIN_CHECK(p.stage_x || !p.rms_part, "matmul: a deferred RMSNorm needs the activations in shared memory");
+  MERLIN_CHECK(p.stage_x || h || !p.rms_part, "matmul: a deferred RMSNorm needs the activations in shared memory");
   p.round = round_for(F, NT, p.n_chunks);
   const bool x = exact_rounds(F, NT, p);
   const int64_t resident =
@@ -147,7 +163,8 @@ void launch_nt(MmArgs p, Stream stream, int64_t tiles) {
   const int64_t per_set = kWarps / p.split / (p.glu_on ? 2 : 1);
   const int64_t sets = ((p.glu_on ? p.glu_tiles : tiles) + per_set - 1) / per_set;
   const dim3 grid((unsigned)std::min(sets, resident), (unsigned)((p.n + 8 * NT - 1) / (8 * NT)));
-  void (*kernel)(MmArgs) = p.glu_on ? pick_kernel<F, NT, true>(capped, x, p.round) : pick_kernel<F, NT, false>(capped, x, p.round);
+  KernelFn kernel = h ? (p.glu_on ? pick_half_kernel<F, true>(x, p.round) : pick_half_kernel<F, false>(x, p.round))
+                 : p.glu_on ? pick_kernel<F, NT, true>(capped, x, p.round) : pick_kernel<F, NT, false>(capped, x, p.round);
   launch_pdl(kernel, grid, kWarps * 32, p.stage_x ? staged : 0, stream, p);
 }
 
@@ -176,10 +193,30 @@ int glu_nt(int n) {
   return std::min(nt, n <= 8 ? 1 : n <= 16 ? 2 : 4);
 }
 
+// MERLIN_CUDA_HALF_MM (read once): 0 = never, 1 (default) = the products that run 32-token CTAs anyway
+// (more than 16 tokens over enough tiles: base's QKV and head), 2 = every product of more than 16 tokens,
+// as 32-token CTAs (A/B timing).
+int half_mode() {
+  static const int mode = (int)env_int("MERLIN_CUDA_HALF_MM", 1);
+  return mode;
+}
+
+// Whether a launch of nt token groups per CTA takes the H kernel (matmul_half_pays).
+bool half_kernel(int f, int nt, int n) {
+  if (half_mode() == 0 || g_half_off || !nt4_capped() || !h_built(f) || n <= 16) return false;
+  return half_mode() == 2 || nt == 4;
+}
+
 template <int F>
 void launch_fmt(const MmArgs& p, Stream stream, int64_t tiles) {
   int nt = p.glu_on ? glu_nt(p.n) : nt_for(p.n, tiles);
   if (g_nt_force > 0) nt = g_nt_force;
+  if (p.xfh && !p.fuse_prep && half_kernel(F, nt, p.n)) {
+    MmArgs h = p;
+    h.half_x = 1;
+    launch_nt<F, 4>(h, stream, tiles);
+    return;
+  }
   switch (nt) {
     case 1: launch_nt<F, 1>(p, stream, tiles); break;
     case 2: launch_nt<F, 2>(p, stream, tiles); break;
@@ -228,9 +265,28 @@ void allow_glu() {
   }
 }
 
+template <int F, int MinBlocks, bool X, int R, bool G>
+void allow_half_variant() {
+  MERLIN_CUDA_CHECK(cudaFuncSetAttribute(mm_kernel<F, 4, MinBlocks, X, R, G, true>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kStageMax[0]));
+}
+
+template <int F>
+void allow_half() {
+  if constexpr (h_built(F)) {
+    allow_half_variant<F, 2, false, 2, false>();
+    allow_half_variant<F, 2, true, 2, false>();
+    allow_half_variant<F, 2, false, kRound, false>();
+    allow_half_variant<F, 2, false, 2, true>();
+    allow_half_variant<F, 2, true, 2, true>();
+    allow_half_variant<F, 2, false, kRound, true>();
+  }
+}
+
 template <int F>
 void allow_staging() {
   allow_glu<F>();
+  allow_half<F>();
   prepare_kernel<F, 1>();
   prepare_kernel<F, 2>();
   prepare_kernel<F, 4>();
@@ -275,6 +331,7 @@ MmArgs product_args(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t
            kRound, 0, RopeKvArgs{}};
   p.rms_part = x.rms_part;
   p.rms_eps = x.rms_eps;
+  p.xfh = x.fh;
   return p;
 }
 
@@ -338,6 +395,10 @@ bool matmul_norm(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ld
   launch_product(w.fmt, p, stream);
   return true;
 }
+
+bool matmul_half_pays(const Matrix& w, int n) { return half_mode() != 0 && !g_half_off && nt4_capped() && h_built(w.fmt) && n > 16; }
+
+void set_matmul_half(bool on) { g_half_off = !on; }
 
 void set_matmul_shape(int split, int nt) {
   g_split_force = split == 1 || split == 2 || split == 4 || split == 8 ? split : 0;

@@ -60,6 +60,8 @@ struct MmArgs {
   int glu_up_tile = 0;  // first tile of the up rows
   int glu_tiles = 0;    // tiles of gate rows (ffn / 16)
   ActBuf glu_out{};     // silu(gate) * up per token: the down product's input (Q8_0, F16, BF16 or F32)
+  const uint16_t* xfh = nullptr;  // Q8_0 activations as halves (ActBuf::fh): read by the H kernels (half_x)
+  int half_x = 0;       // 1: an H kernel (matmul_half_pays): int8 weights dequantized to half, x from xfh
 };
 
 // The activations a CTA reads: the global buffers, or the CTA's own tokens staged in shared memory (from
@@ -71,6 +73,7 @@ struct XView {
   const int32_t* fsum;
   const uint16_t* fhi;
   const uint16_t* flo;
+  const uint16_t* fh;
   int tok0;
 };
 
@@ -241,7 +244,75 @@ __device__ __forceinline__ void half_step(const MmArgs& p, const XView& x, const
   }
 }
 
-template <int F, int R, int NT, bool X>
+// H kernels: k-step `step` of an int8-format weight with half activations (ActBuf::fh). The lane's A values
+// (rows g and g + 8, columns 4t..4t+3 and 16+4t..16+4t+3 of the step) are dequantized to halves, scale
+// included (value * scale rounded once, as gemm.cu expands weights for cuBLAS), in the column pairs (4t,
+// 4t + 2), (4t + 1, 4t + 3) that a mask of every other byte gives; the activations' plane stores each
+// token's columns in that same order (frag_h_index), so two m16n8k16 products (columns 4t.. and 16+4t..)
+// pair every weight with its element. One dequantization per k-step serves all NT token groups: per group a
+// 16-byte load and two products, against the int8 path's product, two loads and 12 scaling instructions.
+// h[0..3]: the first product's A operand (row g even, row g + 8 even, row g odd, row g + 8 odd), h[4..7] the
+// second's.
+// (x & mask) | bits in one instruction: written as C, the two immediates make the compiler emit two.
+__device__ __forceinline__ uint32_t and_or(uint32_t x, uint32_t mask, uint32_t bits) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "r"(mask), "r"(bits));
+  return r;
+}
+
+template <int F>
+__device__ __forceinline__ void half_operand(const uint4& w, int j, uint32_t bits, uint32_t (&h)[8]) {
+  const __half2 sc = *reinterpret_cast<const __half2*>(&bits);
+  const __half2 s0 = __low2half2(sc), s1 = __high2half2(sc);
+  auto put = [](uint32_t v, __half2 bias, __half2 s) {
+    const __half2 r = __hmul2(__hadd2(*reinterpret_cast<const __half2*>(&v), bias), s);
+    return *reinterpret_cast<const uint32_t*>(&r);
+  };
+  if constexpr (F == kQ4_0) {
+    // Nibble n of an even byte, under 0x6400 (1024) in a half's low bits, reads 1024 + n; the high nibble
+    // under 0x5400 (64, steps of 1 / 16) reads 64 + n. Codes are n - 8.
+    const uint32_t w0 = j == 0 ? w.x : w.z, w1 = j == 0 ? w.y : w.w;
+    const __half2 b_lo = __float2half2_rn(-1032.f), b_hi = __float2half2_rn(-72.f);
+    const uint32_t o0 = w0 >> 8, o1 = w1 >> 8;
+    constexpr uint32_t lo = 0x000F000Fu, hi = 0x00F000F0u, m_lo = 0x64006400u, m_hi = 0x54005400u;
+    h[0] = put(and_or(w0, lo, m_lo), b_lo, s0);
+    h[1] = put(and_or(w1, lo, m_lo), b_lo, s1);
+    h[2] = put(and_or(o0, lo, m_lo), b_lo, s0);
+    h[3] = put(and_or(o1, lo, m_lo), b_lo, s1);
+    h[4] = put(and_or(w0, hi, m_hi), b_hi, s0);
+    h[5] = put(and_or(w1, hi, m_hi), b_hi, s1);
+    h[6] = put(and_or(o0, hi, m_hi), b_hi, s0);
+    h[7] = put(and_or(o1, hi, m_hi), b_hi, s1);
+  } else {
+    static_assert(F == kQ8_0, "half activations: Q8_0 and Q4_0 weights");
+    // Byte b + 128 under 0x64 in a half's high byte reads 1024 + b + 128.
+    const __half2 bias = __float2half2_rn(-1152.f);
+    const uint32_t u0 = w.x ^ 0x80808080u, u1 = w.y ^ 0x80808080u, u2 = w.z ^ 0x80808080u, u3 = w.w ^ 0x80808080u;
+    h[0] = put(__byte_perm(u0, 0x64646464u, 0x4240), bias, s0);
+    h[1] = put(__byte_perm(u1, 0x64646464u, 0x4240), bias, s1);
+    h[2] = put(__byte_perm(u0, 0x64646464u, 0x4341), bias, s0);
+    h[3] = put(__byte_perm(u1, 0x64646464u, 0x4341), bias, s1);
+    h[4] = put(__byte_perm(u2, 0x64646464u, 0x4240), bias, s0);
+    h[5] = put(__byte_perm(u3, 0x64646464u, 0x4240), bias, s1);
+    h[6] = put(__byte_perm(u2, 0x64646464u, 0x4341), bias, s0);
+    h[7] = put(__byte_perm(u3, 0x64646464u, 0x4341), bias, s1);
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void half_act_step(const MmArgs& p, const XView& x, const uint32_t (&h)[8], int64_t step,
+                                              int tb, int g, int t, float (&acc)[NT][4]) {
+  const uint32_t a0[4] = {h[0], h[1], h[2], h[3]}, a1[4] = {h[4], h[5], h[6], h[7]};
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int64_t f = (int64_t)group_or_first(p, x, tb, nt) * p.n_steps + step;
+    const uint4 b = *reinterpret_cast<const uint4*>(x.fh + (f * 32 + 4 * g + t) * 8);
+    mma_half<false>(acc[nt], a0, b.x, b.y);
+    mma_half<false>(acc[nt], a1, b.z, b.w);
+  }
+}
+
+template <int F, int R, int NT, bool X, bool H = false>
 __device__ __forceinline__ void compute_round(const MmArgs& p, const XView& x, const Round<F, R>& r, int64_t c0, int tb,
                                               int g, int t, float (&acc)[NT][4]) {
 #pragma unroll
@@ -255,6 +326,15 @@ __device__ __forceinline__ void compute_round(const MmArgs& p, const XView& x, c
       const uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y}, a1[4] = {lo.z, hi.z, lo.w, hi.w};
       half_step<F, NT>(p, x, a0, c0 + u, tb, g, t, acc);
       half_step<F, NT>(p, x, a1, c0 + u + 1, tb, g, t, acc);
+    } else if constexpr (H) {
+#pragma unroll
+      for (int j = 0; j < steps_per_chunk(F); ++j) {
+        const int64_t step = (c0 + u) * steps_per_chunk(F) + j;
+        if (!X && step >= p.n_steps) break;
+        uint32_t h[8];
+        half_operand<F>(r.w[u], j, r.s[u * steps_per_chunk(F) + j], h);
+        half_act_step<NT>(p, x, h, step, tb, g, t, acc);
+      }
     } else {
 #pragma unroll
       for (int j = 0; j < steps_per_chunk(F); ++j) {
@@ -275,8 +355,9 @@ __host__ __device__ constexpr int64_t padded_k(int64_t k) { return (k + 31) / 32
 
 // Shared-memory bytes for `nt` tokens of staged activations: whole groups of 8 tokens of the fragment
 // planes (hi and lo halves of rows padded to 32 columns, or codes, block scales and block sums).
-__host__ __device__ constexpr size_t staged_bytes(int f, int64_t k, int nt) {
-  return (size_t)token_groups(nt) * 8 * (half_fmt(f) ? padded_k(k) * 4 : k + k / 32 * 8);
+// H: the half plane only (ActBuf::fh).
+__host__ __device__ constexpr size_t staged_bytes(int f, int64_t k, int nt, bool h = false) {
+  return (size_t)token_groups(nt) * 8 * (h ? k * 2 : half_fmt(f) ? padded_k(k) * 4 : k + k / 32 * 8);
 }
 
 // The ActKind (as int) a weight format reads its input in.
@@ -309,7 +390,7 @@ __device__ ActBuf staged_buf(int64_t k, int nt, uint8_t* sm) {
 }
 
 __device__ __forceinline__ XView view_of(const ActBuf& o, int tok0) {
-  return XView{o.fq, o.fs, o.fsum, o.fhi, o.flo, tok0};
+  return XView{o.fq, o.fs, o.fsum, o.fhi, o.flo, o.fh, tok0};
 }
 
 // Fused preparation: the CTA computes RMSNorm / SwiGLU / plain of its tokens and quantizes them into shared
@@ -365,10 +446,18 @@ __device__ __forceinline__ void cp_async8(void* dst, const void* src) {
 // (cp.async), so staging costs one L2 round trip, not one per loop iteration: 32 tokens of k = 768 are 30
 // KiB, 8 rounds of 16 bytes per thread. Everything moves 16 bytes at a time (group offsets are multiples of
 // 256 bytes and the buffers are 256-byte aligned).
-template <int F>
+template <int F, bool H = false>
 __device__ XView stage_x(const MmArgs& p, int tb, int nt, uint8_t* sm) {
-  ActBuf o = staged_buf<F>(p.k, nt, sm);
   const int64_t rows = token_groups(nt) * 8;  // tb is a multiple of 8: group tb / 8 starts at row tb
+  if constexpr (H) {  // the half plane only; a deferred RMSNorm scales the sums instead (half_norm_scales)
+    uint16_t* fh = reinterpret_cast<uint16_t*>(sm);
+    const uint16_t* src = p.xfh + tb * p.k;
+    for (int64_t i = threadIdx.x; i < rows * p.k / 8; i += blockDim.x) cp_async16(fh + 8 * i, src + 8 * i);
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncthreads();
+    return XView{nullptr, nullptr, nullptr, nullptr, nullptr, fh, tb};
+  }
+  ActBuf o = staged_buf<F>(p.k, nt, sm);
   if constexpr (half_fmt(F)) {
     const int64_t kp = padded_k(p.k);
     const uint16_t* shi = p.xfhi + tb * kp;
@@ -420,6 +509,8 @@ __device__ __forceinline__ void reduce_norm(const MmArgs& p, int64_t tile0, int 
     *dst = y;
     const NormBlock nb = norm_block(y, __ldg(p.norm_w + r));
     p.norm_out.fq[frag_code_index(tok, r, p.n_out)] = (int8_t)nb.q;
+    if (p.norm_out.fh)  // y * w, without the row's 1 / rms: an H reader scales its sums (reduce_tiles)
+      p.norm_out.fh[frag_h_index(tok, r, p.n_out)] = __half_as_ushort(__float2half_rn(__fmul_rn(y, __ldg(p.norm_w + r))));
     if (lane == 0) {
       const int64_t f = frag_scale_index(tok, r / 32, p.n_out);
       p.norm_out.fs[f] = nb.scale;
@@ -461,14 +552,17 @@ __device__ __forceinline__ void reduce_glu(const MmArgs& p, int set, int tb, int
 
 // Sums each group's partial tiles (split warps each) in a fixed order (deterministic) and writes (or adds)
 // the outputs; group j of the CTA holds tile tile0 + j (with glu_on, reduce_glu's tiles of set `set`).
+// tok_scale (H kernels reading a deferred RMSNorm, else null): per token of the CTA, the factor 1 / rms
+// that its staged halves still lack; the partial sums take it before they meet (the sum is linear in x).
 template <int NT, bool G>
 __device__ __forceinline__ void reduce_tiles(const MmArgs& p, int set, int64_t tile0, int tb, int warp, int lane,
                                              const float (&acc)[NT][4], float (*red)[NT * 4][32],
-                                             unsigned long long* best) {
+                                             unsigned long long* best, const float* tok_scale) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) red[warp][nt * 4 + i][lane] = acc[nt][i];
+    for (int i = 0; i < 4; ++i)
+      red[warp][nt * 4 + i][lane] = tok_scale ? acc[nt][i] * tok_scale[nt * 8 + 2 * (lane & 3) + (i & 1)] : acc[nt][i];
   __syncthreads();
   if constexpr (G) {
     reduce_glu<NT>(p, set, tb, warp, lane, red);
@@ -553,17 +647,18 @@ struct Cursor {
 // Item i at cursor c: requests item i + 1 into `next`, computes `cur`, reduces the tiles after their last
 // round, and moves c on.
 // With X a round past the end of k (a warp whose share of a short row ends early) is skipped whole.
-template <int F, int R, int NT, bool X, bool G>
+template <int F, int R, int NT, bool X, bool G, bool H>
 __device__ __forceinline__ void run_item(const MmArgs& p, const XView& x, const Items<G>& it, int i, Cursor& c,
                                          const Round<F, R>& cur, Round<F, R>& next, int tb, int warp, int lane,
-                                         float (&acc)[NT][4], float (*red)[NT * 4][32], unsigned long long* best) {
+                                         float (&acc)[NT][4], float (*red)[NT * 4][32], unsigned long long* best,
+                                         const float* tok_scale) {
   const Cursor nx = c.next(it);
   if (i + 1 < it.n && nx.live(p, it) && (!X || nx.chunk(it) < p.n_chunks))
     load_round<F, R, X>(p, nx.tile(p, it), nx.chunk(it), lane, next);
   if (c.live(p, it) && (!X || c.chunk(it) < p.n_chunks))
-    compute_round<F, R, NT, X>(p, x, cur, c.chunk(it), tb, lane >> 2, lane & 3, acc);
+    compute_round<F, R, NT, X, H>(p, x, cur, c.chunk(it), tb, lane >> 2, lane & 3, acc);
   if (c.r == it.rounds - 1) {
-    reduce_tiles<NT, G>(p, c.set, (int64_t)c.set * it.groups, tb, warp, lane, acc, red, best);
+    reduce_tiles<NT, G>(p, c.set, (int64_t)c.set * it.groups, tb, warp, lane, acc, red, best, tok_scale);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
   }
@@ -581,12 +676,14 @@ __device__ __forceinline__ void run_item(const MmArgs& p, const XView& x, const 
 // needs 136-182 registers uncapped and is built both ways: capped by default (batch-32 decode on the H200:
 // base f16 24.4k -> 37.0k t/s, q4_0 37.0k -> 42.0k, macbook q4_0 2.89k -> 3.29k; docs/GPU.md), uncapped
 // with MERLIN_CUDA_NT4_CAP=0 for A/B timing. R: chunks per round (p.round), 4 or 2 (short_rounds_fmt).
-// G: the Glu epilogue (matmul_swiglu, reduce_glu); y is not written.
-template <int F, int NT, int MinBlocks = NT == 4 ? 1 : 2, bool X = false, int R = kRound, bool G = false>
+// G: the Glu epilogue (matmul_swiglu, reduce_glu); y is not written. H: half activations (half_operand).
+template <int F, int NT, int MinBlocks = NT == 4 ? 1 : 2, bool X = false, int R = kRound, bool G = false,
+          bool H = false>
 __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float red[kWarps][NT * 4][32];
   __shared__ unsigned long long best[8 * NT];  // matmul_argmax (the first reduction's barrier orders the zeros)
+  __shared__ float tok_scale[H ? 8 * NT : 1];  // H with a deferred RMSNorm: its 1 / rms per token
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int tb = blockIdx.y * 8 * NT;
   if (threadIdx.x < 8 * NT) best[threadIdx.x] = 0ull;
@@ -597,15 +694,29 @@ __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
     load_round<F, R, X>(p, c.tile(p, it), c.chunk(it), lane, ra);
   pdl_trigger();
   pdl_wait();
-  XView x{p.xfq, p.xfs, p.xfsum, p.xfhi, p.xflo, 0};
-  if (p.fuse_prep) x = stage_prep<F>(p, tb, min(8 * NT, p.n - tb), smem);
-  else if (p.stage_x) x = stage_x<F>(p, tb, min(8 * NT, p.n - tb), smem);
+  XView x{p.xfq, p.xfs, p.xfsum, p.xfhi, p.xflo, p.xfh, 0};
+  const float* scale = nullptr;
+  if constexpr (H) {
+    if (p.rms_part) {  // a warp per token (tokens past n get 1: their outputs are never written)
+      const int kb = (int)(p.k / 32);
+      for (int tl = warp; tl < 8 * NT; tl += kWarps) {
+        const float r = tb + tl < p.n ? deferred_inv_rms(p.rms_part + (int64_t)(tb + tl) * kb, kb, p.k, p.rms_eps) : 1.f;
+        if (lane == 0) tok_scale[tl] = r;
+      }
+      scale = tok_scale;  // the staging's barrier (or the first reduction's) orders these
+    }
+    if (p.stage_x) x = stage_x<F, true>(p, tb, min(8 * NT, p.n - tb), smem);
+    else __syncthreads();
+  } else {
+    if (p.fuse_prep) x = stage_prep<F>(p, tb, min(8 * NT, p.n - tb), smem);
+    else if (p.stage_x) x = stage_x<F>(p, tb, min(8 * NT, p.n - tb), smem);
+  }
   float acc[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
   for (int i = 0; i < it.n; i += 2) {
-    run_item<F, R, NT, X, G>(p, x, it, i, c, ra, rb, tb, warp, lane, acc, red, best);
-    if (i + 1 < it.n) run_item<F, R, NT, X, G>(p, x, it, i + 1, c, rb, ra, tb, warp, lane, acc, red, best);
+    run_item<F, R, NT, X, G, H>(p, x, it, i, c, ra, rb, tb, warp, lane, acc, red, best, scale);
+    if (i + 1 < it.n) run_item<F, R, NT, X, G, H>(p, x, it, i + 1, c, rb, ra, tb, warp, lane, acc, red, best, scale);
   }
   if (p.argmax && threadIdx.x < 8 * NT && tb + (int)threadIdx.x < p.n && best[threadIdx.x] != 0ull)
     atomicMax(p.argmax + tb + threadIdx.x, best[threadIdx.x]);  // reduce_tiles ended with a barrier

@@ -55,6 +55,10 @@ struct ActBuf {
   int8_t* fq = nullptr;
   float* fs = nullptr;
   int32_t* fsum = nullptr;
+  // Q8_0: the elements again, rounded to half, in the same groups of 8 rows and blocks of 32 (act_impl.cuh,
+  // frag_h_index), for the batched products that read half activations (matmul_half_pays). Every producer of
+  // the fragment codes writes them too where the plane exists.
+  uint16_t* fh = nullptr;
   // F16/BF16: hi and lo in the m16n8k16 B-operand order (frag_half_index), rows padded to 32 columns.
   uint16_t* fhi = nullptr;
   uint16_t* flo = nullptr;
@@ -197,6 +201,14 @@ bool matmul_swiglu(const Matrix& w, const ActBuf& x, int n, int64_t ffn, int64_t
 // Whether the decode steps take it for w at n tokens: more than 16 tokens and rows of at most 24 chunks (base's
 // k = 768 in the int8 formats), where it was measured faster than the product plus the SwiGLU kernel.
 bool matmul_swiglu_pays(const Matrix& w, int n);
+// Whether a batched product of w over n tokens reads the activations' half plane (ActBuf::fh) instead of
+// their Q8_0 codes: its 32-token kernel dequantizes each k-step's weights to half once and runs two
+// m16n8k16 products per 8 tokens (f32 sums; the values are those gemm.cu's cuBLAS path multiplies, so the
+// result is within half rounding of the int8 path's, not bit-identical). Q8_0 and Q4_0 rows, 17..32 tokens.
+// A product whose input lacks the plane (fh null) takes the int8 kernel.
+bool matmul_half_pays(const Matrix& w, int n);
+// Tests: false keeps every product on the int8 kernels (matmul_half_pays answers false); true restores the rule.
+void set_matmul_half(bool on);
 // Tests: forces the warps per tile (1, 2, 4, 8) and the token groups per CTA (1, 2, 4) of every batched
 // product (clamped where an epilogue needs fewer warps per tile); 0 restores the choice per matrix.
 void set_matmul_shape(int split, int nt);
