@@ -127,17 +127,38 @@ KernelFn pick_kernel(bool capped, bool x, int round) {
   return kernel;
 }
 
+// Where the H kernels stage the half plane in shared memory (the H = 2 instances, which load it with
+// ld.shared) instead of reading it from global memory (L2, then L1): by default (-1) only where it fits and
+// a CTA walks several tile sets (base's head: 3), which amortizes the stage's L2 round trip and barrier;
+// MERLIN_CUDA_HALF_STAGE=1 wherever it fits, =0 never (read once; A/B timing). H200 (2026-12-02, one call,
+// two rounds, tg128 x32, staged wherever it fits / never): base q4_0 79,858 and 79,983 / 81,159 and 81,470
+// t/s, q8_0 77,728 and 78,115 / 77,366 and 79,013 (QKV: one tile set per CTA); the head's product alone
+// (cuda_matvec 50304 768, 32 tokens) 24.3 µs staged against 26.9 with the generic loads of the staged plane
+// that came before and 30.8 on the int8 kernel.
+int half_staging() {
+  static const int mode = [] {
+    const char* v = std::getenv("MERLIN_CUDA_HALF_STAGE");
+    return v && *v == '0' ? 0 : v && *v == '1' ? 1 : -1;
+  }();
+  return mode;
+}
+
 // The H kernels (half activations, matmul_half_pays): the capped 32-token kernel of Q8_0 and Q4_0, rounds
 // of 2 (exact or checked) and of 4 (checked), with and without the Glu epilogue.
 constexpr bool h_built(int f) { return f == kQ8_0 || f == kQ4_0; }
 
-template <int F, bool G>
+template <int F, bool G, int H>
 KernelFn pick_half_kernel(bool x, int round) {
   if constexpr (h_built(F)) {
-    if (round == 2) return x ? mm_kernel<F, 4, 2, true, 2, G, true> : mm_kernel<F, 4, 2, false, 2, G, true>;
-    return mm_kernel<F, 4, 2, false, kRound, G, true>;
+    if (round == 2) return x ? mm_kernel<F, 4, 2, true, 2, G, H> : mm_kernel<F, 4, 2, false, 2, G, H>;
+    return mm_kernel<F, 4, 2, false, kRound, G, H>;
   }
   fail("matmul: no half-activation kernel for this format");
+}
+
+template <int F, bool G>
+KernelFn pick_half_kernel(bool x, int round, bool staged) {
+  return staged ? pick_half_kernel<F, G, 2>(x, round) : pick_half_kernel<F, G, 1>(x, round);
 }
 
 template <int F, int NT>
@@ -148,7 +169,7 @@ void launch_nt(MmArgs p, Stream stream, int64_t tiles) {
   MERLIN_CHECK(!h || (NT == 4 && capped && h_built(F) && !p.fuse_prep), "internal: no H kernel for this launch");
   const size_t staged = staged_bytes(F, p.k, std::min(8 * NT, p.n), h) +
                         (p.rms_part && !h ? deferred_part_bytes(p.k, std::min(8 * NT, p.n)) : 0);
-  p.stage_x = staged <= stage_limit(NT) ? 1 : 0;
+  p.stage_x = staged <= stage_limit(NT) && (!h || half_staging() != 0) ? 1 : 0;
   MERLIN_CHECK(p.stage_x || !p.fuse_prep, "matmul: a fused preparation needs the activations in shared memory");
   MERLIN_CHECK(p.stage_x || h || !p.rms_part, "matmul: a deferred RMSNorm needs the activations in shared memory");
   p.round = round_for(F, NT, p.n_chunks);
@@ -163,8 +184,12 @@ void launch_nt(MmArgs p, Stream stream, int64_t tiles) {
   const int64_t per_set = kWarps / p.split / (p.glu_on ? 2 : 1);
   const int64_t sets = ((p.glu_on ? p.glu_tiles : tiles) + per_set - 1) / per_set;
   const dim3 grid((unsigned)std::min(sets, resident), (unsigned)((p.n + 8 * NT - 1) / (8 * NT)));
-  KernelFn kernel = h ? (p.glu_on ? pick_half_kernel<F, true>(x, p.round) : pick_half_kernel<F, false>(x, p.round))
-                 : p.glu_on ? pick_kernel<F, NT, true>(capped, x, p.round) : pick_kernel<F, NT, false>(capped, x, p.round);
+  if (h && half_staging() == -1 && sets <= resident) p.stage_x = 0;  // one tile set per CTA: not worth a stage
+  const bool in_smem = p.stage_x != 0;
+  KernelFn kernel = p.glu_on ? pick_kernel<F, NT, true>(capped, x, p.round)  //
+                             : pick_kernel<F, NT, false>(capped, x, p.round);
+  if (h)
+    kernel = p.glu_on ? pick_half_kernel<F, true>(x, p.round, in_smem) : pick_half_kernel<F, false>(x, p.round, in_smem);
   launch_pdl(kernel, grid, kWarps * 32, p.stage_x ? staged : 0, stream, p);
 }
 
@@ -267,7 +292,7 @@ void allow_glu() {
 
 template <int F, int MinBlocks, bool X, int R, bool G>
 void allow_half_variant() {
-  MERLIN_CUDA_CHECK(cudaFuncSetAttribute(mm_kernel<F, 4, MinBlocks, X, R, G, true>,
+  MERLIN_CUDA_CHECK(cudaFuncSetAttribute(mm_kernel<F, 4, MinBlocks, X, R, G, 2>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kStageMax[0]));
 }
 
@@ -396,7 +421,9 @@ bool matmul_norm(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ld
   return true;
 }
 
-bool matmul_half_pays(const Matrix& w, int n) { return half_mode() != 0 && !g_half_off && nt4_capped() && h_built(w.fmt) && n > 16; }
+bool matmul_half_pays(const Matrix& w, int n) {
+  return half_mode() != 0 && !g_half_off && nt4_capped() && h_built(w.fmt) && n > 16;
+}
 
 void set_matmul_half(bool on) { g_half_off = !on; }
 

@@ -312,7 +312,7 @@ __device__ __forceinline__ void half_act_step(const MmArgs& p, const XView& x, c
   }
 }
 
-template <int F, int R, int NT, bool X, bool H = false>
+template <int F, int R, int NT, bool X, int H = 0>
 __device__ __forceinline__ void compute_round(const MmArgs& p, const XView& x, const Round<F, R>& r, int64_t c0, int tb,
                                               int g, int t, float (&acc)[NT][4]) {
 #pragma unroll
@@ -510,7 +510,8 @@ __device__ __forceinline__ void reduce_norm(const MmArgs& p, int64_t tile0, int 
     const NormBlock nb = norm_block(y, __ldg(p.norm_w + r));
     p.norm_out.fq[frag_code_index(tok, r, p.n_out)] = (int8_t)nb.q;
     if (p.norm_out.fh)  // y * w, without the row's 1 / rms: an H reader scales its sums (reduce_tiles)
-      p.norm_out.fh[frag_h_index(tok, r, p.n_out)] = __half_as_ushort(__float2half_rn(__fmul_rn(y, __ldg(p.norm_w + r))));
+      p.norm_out.fh[frag_h_index(tok, r, p.n_out)] =
+          __half_as_ushort(__float2half_rn(__fmul_rn(y, __ldg(p.norm_w + r))));
     if (lane == 0) {
       const int64_t f = frag_scale_index(tok, r / 32, p.n_out);
       p.norm_out.fs[f] = nb.scale;
@@ -647,7 +648,7 @@ struct Cursor {
 // Item i at cursor c: requests item i + 1 into `next`, computes `cur`, reduces the tiles after their last
 // round, and moves c on.
 // With X a round past the end of k (a warp whose share of a short row ends early) is skipped whole.
-template <int F, int R, int NT, bool X, bool G, bool H>
+template <int F, int R, int NT, bool X, bool G, int H>
 __device__ __forceinline__ void run_item(const MmArgs& p, const XView& x, const Items<G>& it, int i, Cursor& c,
                                          const Round<F, R>& cur, Round<F, R>& next, int tb, int warp, int lane,
                                          float (&acc)[NT][4], float (*red)[NT * 4][32], unsigned long long* best,
@@ -676,9 +677,11 @@ __device__ __forceinline__ void run_item(const MmArgs& p, const XView& x, const 
 // needs 136-182 registers uncapped and is built both ways: capped by default (batch-32 decode on the H200:
 // base f16 24.4k -> 37.0k t/s, q4_0 37.0k -> 42.0k, macbook q4_0 2.89k -> 3.29k; docs/GPU.md), uncapped
 // with MERLIN_CUDA_NT4_CAP=0 for A/B timing. R: chunks per round (p.round), 4 or 2 (short_rounds_fmt).
-// G: the Glu epilogue (matmul_swiglu, reduce_glu); y is not written. H: half activations (half_operand).
+// G: the Glu epilogue (matmul_swiglu, reduce_glu); y is not written. H: half activations (half_operand), 1
+// read from global memory, 2 staged in shared memory: a template value rather than p.stage_x, so that the
+// compiler sees the staged plane's pointer come from shared memory only and loads it with ld.shared.
 template <int F, int NT, int MinBlocks = NT == 4 ? 1 : 2, bool X = false, int R = kRound, bool G = false,
-          bool H = false>
+          int H = 0>
 __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float red[kWarps][NT * 4][32];
@@ -700,12 +703,13 @@ __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
     if (p.rms_part) {  // a warp per token (tokens past n get 1: their outputs are never written)
       const int kb = (int)(p.k / 32);
       for (int tl = warp; tl < 8 * NT; tl += kWarps) {
-        const float r = tb + tl < p.n ? deferred_inv_rms(p.rms_part + (int64_t)(tb + tl) * kb, kb, p.k, p.rms_eps) : 1.f;
+        float r = 1.f;  // warp-uniform condition: deferred_inv_rms is warp-collective
+        if (tb + tl < p.n) r = deferred_inv_rms(p.rms_part + (int64_t)(tb + tl) * kb, kb, p.k, p.rms_eps);
         if (lane == 0) tok_scale[tl] = r;
       }
       scale = tok_scale;  // the staging's barrier (or the first reduction's) orders these
     }
-    if (p.stage_x) x = stage_x<F, true>(p, tb, min(8 * NT, p.n - tb), smem);
+    if constexpr (H == 2) x = stage_x<F, true>(p, tb, min(8 * NT, p.n - tb), smem);
     else __syncthreads();
   } else {
     if (p.fuse_prep) x = stage_prep<F>(p, tb, min(8 * NT, p.n - tb), smem);
