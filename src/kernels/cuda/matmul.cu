@@ -130,11 +130,11 @@ KernelFn pick_kernel(bool capped, bool x, int round) {
 // Where the H kernels stage the half plane in shared memory (the H = 2 instances, which load it with
 // ld.shared) instead of reading it from global memory (L2, then L1): by default (-1) only where it fits and
 // a CTA walks several tile sets (base's head: 3), which amortizes the stage's L2 round trip and barrier;
-// MERLIN_CUDA_HALF_STAGE=1 wherever it fits, =0 never (read once; A/B timing). H200 (2026-12-02, one call,
-// two rounds, tg128 x32, staged wherever it fits / never): base q4_0 79,858 and 79,983 / 81,159 and 81,470
-// t/s, q8_0 77,728 and 78,115 / 77,366 and 79,013 (QKV: one tile set per CTA); the head's product alone
-// (cuda_matvec 50304 768, 32 tokens) 24.3 µs staged against 26.9 with the generic loads of the staged plane
-// that came before and 30.8 on the int8 kernel.
+// MERLIN_CUDA_HALF_STAGE=1 wherever it fits, =0 never (read once; A/B timing). H200 (2026-12-02, base, tg128
+// x32, two rounds of one call, this rule / never / wherever it fits): q4_0 81,688 and 81,398 / 81,318 and
+// 81,237 / 80,130 and 80,601 t/s, q8_0 78,993 and 79,435 / 79,309 and 78,927 / 77,735 and 78,340 (QKV has
+// one tile set per CTA: its stage is a bare round trip); the head's product alone (cuda_matvec 50304 768,
+// 32 tokens, q4_0) 24.3 µs staged, 26.9 with generic loads of the staged plane, 30.8 on the int8 kernel.
 int half_staging() {
   static const int mode = [] {
     const char* v = std::getenv("MERLIN_CUDA_HALF_STAGE");
