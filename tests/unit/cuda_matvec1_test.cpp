@@ -40,14 +40,20 @@ cu::Matrix upload_one(DType t, const std::vector<uint8_t>& w, int64_t rows, int6
 
 float half_round(float v) { return fp16_to_f32(f32_to_fp16(v)); }
 
+// The first n rows of d_x (rows of m.k floats on the device) in m's input format (a Plain preparation).
+cu::ActBuf prepared_rows(const cu::Matrix& m, const float* d_x, int n) {
+  cu::ActBuf a = cu::act_alloc(m.act(), m.k, n);
+  cu::PrepArgs plain;
+  plain.d_x = d_x;
+  plain.ld = m.k;
+  cu::prep_act(plain, n, a, nullptr);
+  return a;
+}
+
 // n rows of k Gaussian activations in m's input format (a Plain preparation).
 cu::ActBuf plain_rows(const cu::Matrix& m, int64_t k, int n, uint32_t seed) {
-  cu::ActBuf a = cu::act_alloc(m.act(), k, n);
   DevFloats dx(gaussian((size_t)n * k, seed, 2.0f));
-  cu::PrepArgs plain;
-  plain.d_x = dx.p;
-  plain.ld = k;
-  cu::prep_act(plain, n, a, nullptr);
+  cu::ActBuf a = prepared_rows(m, dx.p, n);
   cu::sync_device();
   return a;
 }
@@ -65,6 +71,40 @@ std::vector<float> reader_out(const cu::Matrix& r, const cu::ActBuf& x, int n) {
   cu::matmul(r, x, n, z.p, r.rows, r.rows, false, nullptr);
   return test::download(z.p, (size_t)n * r.rows);
 }
+
+// A producer's n-token output added to residual rows y0 (n_out each) two ways: matmul() then
+// prep_act(RmsNorm) into `want`, and matmul_norm() into `got` with its per-block sums of squares in `part`
+// (its scales still lack 1 / rms); `folded` is the copy of got a reader takes. yw / yg: the residual rows.
+struct FoldedRows {
+  cu::ActBuf want{}, got{}, folded{};
+  double* part = nullptr;
+  std::vector<float> yw, yg;
+  FoldedRows(const cu::Matrix& prod, const cu::ActBuf& x, int n, int64_t n_out, const std::vector<float>& y0,
+             const float* d_norm_w, float eps) {
+    DevFloats want_y(y0), got_y(y0);
+    part = static_cast<double*>(cu::dev_alloc((size_t)n * (n_out / 32) * sizeof(double)));
+    want = cu::act_alloc(cu::ActKind::Q8_0, n_out, n);
+    got = cu::act_alloc(cu::ActKind::Q8_0, n_out, n);
+    cu::matmul(prod, x, n, want_y.p, n_out, n_out, true, nullptr);
+    const cu::PrepArgs norm{cu::Prep::RmsNorm, want_y.p, n_out, d_norm_w, eps, 0, nullptr};
+    cu::prep_act(norm, n, want, nullptr);
+    EXPECT_TRUE(cu::matmul_norm(prod, x, n, got_y.p, n_out, n_out, true, d_norm_w, got, part, nullptr));
+    cu::sync_device();
+    yw = test::download(want_y.p, y0.size());
+    yg = test::download(got_y.p, y0.size());
+    folded = got;
+    folded.rms_part = part;
+    folded.rms_eps = eps;
+    folded.rms_rows = n;
+  }
+  ~FoldedRows() {
+    cu::act_free(want);
+    cu::act_free(got);
+    cu::dev_free(part);
+  }
+  FoldedRows(const FoldedRows&) = delete;
+  FoldedRows& operator=(const FoldedRows&) = delete;
+};
 
 // Where element i / block b of row t lies in an ActBuf's fragment planes (act_impl.cuh's frag_code_index and
 // frag_scale_index, written out again here as the test's own reading of the layout).
@@ -452,17 +492,12 @@ TEST(CudaMatmulNorm, EpilogueMatchesSeparateKernel) {
     cu::Matrix m = upload_one(t, w, s.n, s.k);
     ASSERT_TRUE(cu::matmul_norm_fits(m, s.n, n));
     cu::ActBuf a = plain_rows(m, s.k, n, 52);
-    const std::vector<float> y0 = gaussian((size_t)n * s.n, 53, 3.0f);
-    DevFloats dnw(norm_weights(s.n, 54)), want_y(y0), got_y(y0);
+    DevFloats dnw(norm_weights(s.n, 54));
     const int64_t kb = s.n / 32;
-    double* part = static_cast<double*>(cu::dev_alloc((size_t)n * kb * sizeof(double)));
-    cu::ActBuf want = cu::act_alloc(cu::ActKind::Q8_0, s.n, n), got = cu::act_alloc(cu::ActKind::Q8_0, s.n, n);
-    cu::matmul(m, a, n, want_y.p, s.n, s.n, true, nullptr);
-    const cu::PrepArgs norm{cu::Prep::RmsNorm, want_y.p, s.n, dnw.p, eps, 0, nullptr};
-    cu::prep_act(norm, n, want, nullptr);
-    ASSERT_TRUE(cu::matmul_norm(m, a, n, got_y.p, s.n, s.n, true, dnw.p, got, part, nullptr));
-    cu::sync_device();
-    const std::vector<float> yw = test::download(want_y.p, y0.size()), yg = test::download(got_y.p, y0.size());
+    const FoldedRows fr(m, a, n, s.n, gaussian((size_t)n * s.n, 53, 3.0f), dnw.p, eps);
+    const cu::ActBuf &want = fr.want, &got = fr.got, &folded = fr.folded;
+    const std::vector<float> &yw = fr.yw, &yg = fr.yg;
+    double* part = fr.part;
     EXPECT_LE(max_diff(yw, yg), 1e-5f * max_abs(yw)) << "residual rows";
 
     const std::vector<double> ss = test::download(part, (size_t)n * kb);
@@ -488,10 +523,6 @@ TEST(CudaMatmulNorm, EpilogueMatchesSeparateKernel) {
     EXPECT_LE(worst, 1);
     EXPECT_LE(code_diff, 1 + n * s.n / 1000);
 
-    cu::ActBuf folded = got;
-    folded.rms_part = part;
-    folded.rms_eps = eps;
-    folded.rms_rows = n;
     for (DType rt : {DType::Q8_0, DType::Q4_0, DType::MXFP4}) {
       const int64_t rows = 272;
       const std::vector<uint8_t> rw = random_matrix(rt, rows, s.n, 55);
@@ -508,9 +539,6 @@ TEST(CudaMatmulNorm, EpilogueMatchesSeparateKernel) {
       EXPECT_LE(diff, 2e-3f * max_abs(hw)) << "reader " << dtype_name(rt);
       cu::free_matrix(r);
     }
-    cu::act_free(want);
-    cu::act_free(got);
-    cu::dev_free(part);
     cu::act_free(a);
     cu::free_matrix(m);
   }
@@ -654,11 +682,7 @@ TEST(CudaMatmulHalf, ProductsMatchHalfReference) {
     cu::set_matmul_shape(0, 4);
     std::vector<float> all32;
     for (int n : {32, 17}) {
-      cu::ActBuf a = cu::act_alloc(m.act(), s.k, n);
-      cu::PrepArgs plain;
-      plain.d_x = dx.p;
-      plain.ld = s.k;
-      cu::prep_act(plain, n, a, nullptr);
+      cu::ActBuf a = prepared_rows(m, dx.p, n);
       DevFloats dy(std::vector<float>((size_t)n * s.rows, 1.0f));
       cu::matmul(m, a, n, dy.p, s.rows, s.rows, true, nullptr);
       cu::sync_device();
@@ -685,11 +709,7 @@ TEST(CudaMatmulHalf, ProductsMatchHalfReference) {
     }
     if (s.rows >= 16 * 150) {  // the fused argmax head over the same products
       const int n = 32;
-      cu::ActBuf a = cu::act_alloc(m.act(), s.k, n);
-      cu::PrepArgs plain;
-      plain.d_x = dx.p;
-      plain.ld = s.k;
-      cu::prep_act(plain, n, a, nullptr);
+      cu::ActBuf a = prepared_rows(m, dx.p, n);
       DevFloats dy(std::vector<float>((size_t)n * s.rows, 0.0f));
       auto* keys = static_cast<unsigned long long*>(cu::dev_alloc(n * sizeof(unsigned long long)));
       auto* ids = static_cast<int32_t*>(cu::dev_alloc(2 * n * sizeof(int32_t)));
@@ -709,26 +729,14 @@ TEST(CudaMatmulHalf, ProductsMatchHalfReference) {
       const std::vector<uint8_t> pw = random_matrix(DType::Q8_0, s.k, 512, 83);
       cu::Matrix prod = upload_one(DType::Q8_0, pw, s.k, 512);
       cu::ActBuf px = plain_rows(prod, 512, n, 84);
-      const std::vector<float> y0 = gaussian((size_t)n * s.k, 85, 3.0f);
-      DevFloats dnw(norm_weights(s.k, 86)), want_y(y0), got_y(y0);
-      double* part = static_cast<double*>(cu::dev_alloc((size_t)n * (s.k / 32) * sizeof(double)));
-      cu::ActBuf want = cu::act_alloc(cu::ActKind::Q8_0, s.k, n), got = cu::act_alloc(cu::ActKind::Q8_0, s.k, n);
-      cu::matmul(prod, px, n, want_y.p, s.k, s.k, true, nullptr);
-      const cu::PrepArgs norm{cu::Prep::RmsNorm, want_y.p, s.k, dnw.p, eps, 0, nullptr};
-      cu::prep_act(norm, n, want, nullptr);
-      ASSERT_TRUE(cu::matmul_norm(prod, px, n, got_y.p, s.k, s.k, true, dnw.p, got, part, nullptr));
-      cu::sync_device();
-      cu::ActBuf folded = got;
-      folded.rms_part = part;
-      folded.rms_eps = eps;
-      folded.rms_rows = n;
-      const std::vector<float> hw = reader_out(m, want, n), hg = reader_out(m, folded, n);
-      EXPECT_GT(max_abs(hw), 0.0f);
-      EXPECT_LE(max_diff(hw, hg), 2e-3f * max_abs(hw)) << "reader of a deferred RMSNorm";
-      cu::act_free(want);
-      cu::act_free(got);
+      DevFloats dnw(norm_weights(s.k, 86));
+      {
+        const FoldedRows fr(prod, px, n, s.k, gaussian((size_t)n * s.k, 85, 3.0f), dnw.p, eps);
+        const std::vector<float> hw = reader_out(m, fr.want, n), hg = reader_out(m, fr.folded, n);
+        EXPECT_GT(max_abs(hw), 0.0f);
+        EXPECT_LE(max_diff(hw, hg), 2e-3f * max_abs(hw)) << "reader of a deferred RMSNorm";
+      }
       cu::act_free(px);
-      cu::dev_free(part);
       cu::free_matrix(prod);
     }
     cu::set_matmul_shape(0, 0);
