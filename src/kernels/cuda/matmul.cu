@@ -136,10 +136,7 @@ KernelFn pick_kernel(bool capped, bool x, int round) {
 // one tile set per CTA: its stage is a bare round trip); the head's product alone (cuda_matvec 50304 768,
 // 32 tokens, q4_0) 24.3 µs staged, 26.9 with generic loads of the staged plane, 30.8 on the int8 kernel.
 int half_staging() {
-  static const int mode = [] {
-    const char* v = std::getenv("MERLIN_CUDA_HALF_STAGE");
-    return v && *v == '0' ? 0 : v && *v == '1' ? 1 : -1;
-  }();
+  static const int mode = (int)env_int("MERLIN_CUDA_HALF_STAGE", -1);
   return mode;
 }
 
@@ -189,7 +186,8 @@ void launch_nt(MmArgs p, Stream stream, int64_t tiles) {
   KernelFn kernel = p.glu_on ? pick_kernel<F, NT, true>(capped, x, p.round)  //
                              : pick_kernel<F, NT, false>(capped, x, p.round);
   if (h)
-    kernel = p.glu_on ? pick_half_kernel<F, true>(x, p.round, in_smem) : pick_half_kernel<F, false>(x, p.round, in_smem);
+    kernel = p.glu_on ? pick_half_kernel<F, true>(x, p.round, in_smem)  //
+                      : pick_half_kernel<F, false>(x, p.round, in_smem);
   launch_pdl(kernel, grid, kWarps * 32, p.stage_x ? staged : 0, stream, p);
 }
 
@@ -226,11 +224,10 @@ int half_mode() {
   return mode;
 }
 
-// Whether a launch of nt token groups per CTA takes the H kernel (matmul_half_pays).
-bool half_kernel(int f, int nt, int n) {
-  if (half_mode() == 0 || g_half_off || !nt4_capped() || !h_built(f) || n <= 16) return false;
-  return half_mode() == 2 || nt == 4;
-}
+// Whether an n-token product of format f may take an H kernel (matmul_half_pays), and whether a launch of
+// nt token groups per CTA does.
+bool half_allowed(int f, int n) { return half_mode() != 0 && !g_half_off && nt4_capped() && h_built(f) && n > 16; }
+bool half_kernel(int f, int nt, int n) { return half_allowed(f, n) && (half_mode() == 2 || nt == 4); }
 
 template <int F>
 void launch_fmt(const MmArgs& p, Stream stream, int64_t tiles) {
@@ -421,9 +418,7 @@ bool matmul_norm(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ld
   return true;
 }
 
-bool matmul_half_pays(const Matrix& w, int n) {
-  return half_mode() != 0 && !g_half_off && nt4_capped() && h_built(w.fmt) && n > 16;
-}
+bool matmul_half_pays(const Matrix& w, int n) { return half_allowed(w.fmt, n); }
 
 void set_matmul_half(bool on) { g_half_off = !on; }
 

@@ -244,6 +244,13 @@ __device__ __forceinline__ void half_step(const MmArgs& p, const XView& x, const
   }
 }
 
+// (x & mask) | bits in one instruction: written as C, the two immediates make the compiler emit two.
+__device__ __forceinline__ uint32_t and_or(uint32_t x, uint32_t mask, uint32_t bits) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "r"(mask), "r"(bits));
+  return r;
+}
+
 // H kernels: k-step `step` of an int8-format weight with half activations (ActBuf::fh). The lane's A values
 // (rows g and g + 8, columns 4t..4t+3 and 16+4t..16+4t+3 of the step) are dequantized to halves, scale
 // included (value * scale rounded once, as gemm.cu expands weights for cuBLAS), in the column pairs (4t,
@@ -253,13 +260,6 @@ __device__ __forceinline__ void half_step(const MmArgs& p, const XView& x, const
 // 16-byte load and two products, against the int8 path's product, two loads and 12 scaling instructions.
 // h[0..3]: the first product's A operand (row g even, row g + 8 even, row g odd, row g + 8 odd), h[4..7] the
 // second's.
-// (x & mask) | bits in one instruction: written as C, the two immediates make the compiler emit two.
-__device__ __forceinline__ uint32_t and_or(uint32_t x, uint32_t mask, uint32_t bits) {
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "r"(mask), "r"(bits));
-  return r;
-}
-
 template <int F>
 __device__ __forceinline__ void half_operand(const uint4& w, int j, uint32_t bits, uint32_t (&h)[8]) {
   const __half2 sc = *reinterpret_cast<const __half2*>(&bits);
@@ -449,7 +449,7 @@ __device__ __forceinline__ void cp_async8(void* dst, const void* src) {
 template <int F, bool H = false>
 __device__ XView stage_x(const MmArgs& p, int tb, int nt, uint8_t* sm) {
   const int64_t rows = token_groups(nt) * 8;  // tb is a multiple of 8: group tb / 8 starts at row tb
-  if constexpr (H) {  // the half plane only; a deferred RMSNorm scales the sums instead (half_norm_scales)
+  if constexpr (H) {  // the half plane only; a deferred RMSNorm scales the sums instead (reduce_tiles' tok_scale)
     uint16_t* fh = reinterpret_cast<uint16_t*>(sm);
     const uint16_t* src = p.xfh + tb * p.k;
     for (int64_t i = threadIdx.x; i < rows * p.k / 8; i += blockDim.x) cp_async16(fh + 8 * i, src + 8 * i);
@@ -507,11 +507,11 @@ __device__ __forceinline__ void reduce_norm(const MmArgs& p, int64_t tile0, int 
     float* dst = p.y + (int64_t)tok * p.ldy + r;
     const float y = p.accumulate ? *dst + v : v;
     *dst = y;
-    const NormBlock nb = norm_block(y, __ldg(p.norm_w + r));
+    const float w = __ldg(p.norm_w + r);
+    const NormBlock nb = norm_block(y, w);
     p.norm_out.fq[frag_code_index(tok, r, p.n_out)] = (int8_t)nb.q;
     if (p.norm_out.fh)  // y * w, without the row's 1 / rms: an H reader scales its sums (reduce_tiles)
-      p.norm_out.fh[frag_h_index(tok, r, p.n_out)] =
-          __half_as_ushort(__float2half_rn(__fmul_rn(y, __ldg(p.norm_w + r))));
+      p.norm_out.fh[frag_h_index(tok, r, p.n_out)] = __half_as_ushort(__float2half_rn(__fmul_rn(y, w)));
     if (lane == 0) {
       const int64_t f = frag_scale_index(tok, r / 32, p.n_out);
       p.norm_out.fs[f] = nb.scale;

@@ -201,11 +201,12 @@ bool matmul_swiglu(const Matrix& w, const ActBuf& x, int n, int64_t ffn, int64_t
 // Whether the decode steps take it for w at n tokens: more than 16 tokens and rows of at most 24 chunks (base's
 // k = 768 in the int8 formats), where it was measured faster than the product plus the SwiGLU kernel.
 bool matmul_swiglu_pays(const Matrix& w, int n);
-// Whether a batched product of w over n tokens reads the activations' half plane (ActBuf::fh) instead of
-// their Q8_0 codes: its 32-token kernel dequantizes each k-step's weights to half once and runs two
-// m16n8k16 products per 8 tokens (f32 sums; the values are those gemm.cu's cuBLAS path multiplies, so the
-// result is within half rounding of the int8 path's, not bit-identical). Q8_0 and Q4_0 rows, 17..32 tokens.
-// A product whose input lacks the plane (fh null) takes the int8 kernel.
+// Whether a batched product of w over n tokens may read the activations' half plane (ActBuf::fh) instead of
+// their Q8_0 codes (the H kernels): Q8_0 and Q4_0 rows, more than 16 tokens; of those, the launches that run
+// 32-token CTAs do. Such a kernel dequantizes each k-step's weights to half once and runs two m16n8k16
+// products per 8 tokens (f32 sums; the values are those gemm.cu's cuBLAS path multiplies, so the result is
+// within half rounding of the int8 path's, not bit-identical). An input without the plane (fh null) takes
+// the int8 kernel.
 bool matmul_half_pays(const Matrix& w, int n);
 // Tests: false keeps every product on the int8 kernels (matmul_half_pays answers false); true restores the rule.
 void set_matmul_half(bool on);
