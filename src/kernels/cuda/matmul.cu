@@ -158,6 +158,17 @@ KernelFn pick_half_kernel(bool x, int round, bool staged) {
   return staged ? pick_half_kernel<F, G, 2>(x, round) : pick_half_kernel<F, G, 1>(x, round);
 }
 
+// The item walk's constants (MmArgs::split_log2 .. sets_r) of a launch of `ctas` CTAs over `sets` tile sets:
+// computed here once, so that no CTA spends its first instructions on runtime divisions (Items).
+void set_items(MmArgs& p, int64_t sets, int64_t ctas) {
+  p.split_log2 = p.split == 1 ? 0 : p.split == 2 ? 1 : p.split == 4 ? 2 : 3;
+  MERLIN_CHECK((1 << p.split_log2) == p.split && ctas > 0, "internal: warps per tile must be 1, 2, 4 or 8");
+  const int64_t stride = (int64_t)p.split * p.round;
+  p.rounds = (int)((p.n_chunks + stride - 1) / stride);
+  p.sets_q = (int)(sets / ctas);
+  p.sets_r = (int)(sets % ctas);
+}
+
 template <int F, int NT>
 void launch_nt(MmArgs p, Stream stream, int64_t tiles) {
   constexpr int ni = nt_index(NT);
@@ -181,6 +192,7 @@ void launch_nt(MmArgs p, Stream stream, int64_t tiles) {
   const int64_t per_set = kWarps / p.split / (p.glu_on ? 2 : 1);
   const int64_t sets = ((p.glu_on ? p.glu_tiles : tiles) + per_set - 1) / per_set;
   const dim3 grid((unsigned)std::min(sets, resident), (unsigned)((p.n + 8 * NT - 1) / (8 * NT)));
+  set_items(p, sets, grid.x);
   if (h && half_staging() == -1 && sets <= resident) p.stage_x = 0;  // one tile set per CTA: not worth a stage
   const bool in_smem = p.stage_x != 0;
   KernelFn kernel = p.glu_on ? pick_kernel<F, NT, true>(capped, x, p.round)  //

@@ -62,6 +62,10 @@ struct MmArgs {
   ActBuf glu_out{};     // silu(gate) * up per token: the down product's input (Q8_0, F16, BF16 or F32)
   const uint16_t* xfh = nullptr;  // Q8_0 activations as halves (ActBuf::fh): read by the H kernels (half_x)
   int half_x = 0;       // 1: an H kernel (matmul_half_pays): int8 weights dequantized to half, x from xfh
+  // The item walk (Items), set by the launch (set_items) so that no kernel divides by a runtime value:
+  int split_log2 = 3;  // log2(split)
+  int rounds = 0;      // rounds per tile: ceil(n_chunks / (split * round))
+  int sets_q = 0, sets_r = 0;  // tile sets per CTA: sets_q, one more for blockIdx.x < sets_r
 };
 
 // The activations a CTA reads: the global buffers, or the CTA's own tokens staged in shared memory (from
@@ -487,23 +491,51 @@ __device__ XView stage_x(const MmArgs& p, int tb, int nt, uint8_t* sm) {
   return view_of(o, tb);
 }
 
+// Sum of a tile's partials (warps grp * split .. + split - 1) of element (i, ln), in warp order: every
+// epilogue sums a tile in this order, so they all see the bits the plain product writes to y. The partials
+// load four at a time and add in order: one at a time (a chain of dependent shared loads) cost iphone q4_0
+// x32, whose tiles have 8 partials, 5.4 % (H200, 2026-12-02). One code path for every split, not instances
+// per split: the epilogues run while the next round's loads are in flight, and inlining one per split (or
+// eight loads at once) took those registers (ptxas -v: spills at the 128-register cap).
+template <int NT>
+__device__ __forceinline__ float tile_sum(const MmArgs& p, const float (*red)[NT * 4][32], int grp, int i, int ln) {
+  constexpr int kStride = NT * 4 * 32;  // floats between two warps' partials of one element
+  const float* a = &red[grp << p.split_log2][i][ln];
+  float v = 0.f;
+  if (p.split_log2 >= 2) {
+#pragma unroll 1
+    for (int s = 0; s < p.split; s += 4) {  // four at a time, as the compiler unrolled the old loop
+      const float t0 = a[s * kStride], t1 = a[(s + 1) * kStride], t2 = a[(s + 2) * kStride], t3 = a[(s + 3) * kStride];
+      v += t0;
+      v += t1;
+      v += t2;
+      v += t3;
+    }
+  } else {
+    const float t0 = a[0], t1 = p.split_log2 == 1 ? a[kStride] : 0.f;
+    v += t0;
+    if (p.split_log2 == 1) v += t1;
+  }
+  return v;
+}
+
 // The Norm epilogue (matmul_norm) of a tile set: a warp per (token, block of 32 rows), lane = row, sums the
 // row's partials in reduce_tiles' order (the same y bits), adds it to the residual and writes the next
 // RMSNorm's input with a deferred scale (norm_block). split <= 4 (the host sees to it), so a set holds whole
-// blocks: kWarps / split >= 2 tiles from an even tile; n_out % 32 == 0, so a warp's rows are all valid or not.
+// blocks: kWarps / split >= 2 tiles from an even tile (kWarps / split / 2 blocks: a power of two, so the
+// (token, block) pairs are shifts and masks); n_out % 32 == 0, so a warp's rows are all valid or not.
 template <int NT>
 __device__ __forceinline__ void reduce_norm(const MmArgs& p, int64_t tile0, int tb, int warp, int lane,
                                             float (*red)[NT * 4][32]) {
-  const int blocks = kWarps / p.split / 2, rr = lane & 15, grp_in = lane >> 4;
-  const int kb = (int)(p.n_out / 32);
-  for (int pr = warp; pr < 8 * NT * blocks; pr += kWarps) {
-    const int tl = pr / blocks, b = pr % blocks, grp = 2 * b + grp_in, tk = tl & 7;
+  const int blocks_log2 = 2 - p.split_log2, rr = lane & 15, grp_in = lane >> 4;
+  const int kb = (int)(p.n_out / 32), pairs = 8 * NT << blocks_log2;
+  for (int pr = warp; pr < pairs; pr += kWarps) {
+    const int tl = pr >> blocks_log2, b = pr & ((1 << blocks_log2) - 1), grp = 2 * b + grp_in, tk = tl & 7;
     const int64_t r = (tile0 + grp) * 16 + rr;
     const int tok = tb + tl;
     if (tok >= p.n || (tile0 + 2 * b) * 16 >= p.n_out) continue;  // warp-uniform
     const int i = (tl >> 3) * 4 + 2 * (rr >> 3) + (tk & 1), ln = (rr & 7) * 4 + (tk >> 1);
-    float v = 0.f;
-    for (int w = grp * p.split; w < (grp + 1) * p.split; ++w) v += red[w][i][ln];
+    const float v = tile_sum<NT>(p, red, grp, i, ln);
     float* dst = p.y + (int64_t)tok * p.ldy + r;
     const float y = p.accumulate ? *dst + v : v;
     *dst = y;
@@ -530,15 +562,14 @@ __device__ __forceinline__ void reduce_norm(const MmArgs& p, int64_t tile0, int 
 template <int NT>
 __device__ __forceinline__ void reduce_glu(const MmArgs& p, int set, int tb, int warp, int lane,
                                            float (*red)[NT * 4][32]) {
-  const int half = kWarps / p.split / 2, blocks = half / 2, rr = lane & 15, sub = lane >> 4;
-  for (int pr = warp; pr < 8 * NT * blocks; pr += kWarps) {
-    const int tl = pr / blocks, b = pr % blocks, grp = 2 * b + sub, tk = tl & 7;
+  const int half = 4 >> p.split_log2, blocks_log2 = 1 - p.split_log2, rr = lane & 15, sub = lane >> 4;
+  const int pairs = 8 * NT << blocks_log2;
+  for (int pr = warp; pr < pairs; pr += kWarps) {
+    const int tl = pr >> blocks_log2, b = pr & ((1 << blocks_log2) - 1), grp = 2 * b + sub, tk = tl & 7;
     const int tok = tb + tl;
     if (tok >= p.n || set * half + 2 * b >= p.glu_tiles) continue;  // warp-uniform
     const int i = (tl >> 3) * 4 + 2 * (rr >> 3) + (tk & 1), ln = (rr & 7) * 4 + (tk >> 1);
-    float g = 0.f, u = 0.f;
-    for (int w = grp * p.split; w < (grp + 1) * p.split; ++w) g += red[w][i][ln];
-    for (int w = (half + grp) * p.split; w < (half + grp + 1) * p.split; ++w) u += red[w][i][ln];
+    const float g = tile_sum<NT>(p, red, grp, i, ln), u = tile_sum<NT>(p, red, half + grp, i, ln);
     const float v = swiglu(g, u);
     const int64_t o = (int64_t)(set * half + grp) * 16 + rr;
     ActBuf out = p.glu_out;
@@ -551,6 +582,77 @@ __device__ __forceinline__ void reduce_glu(const MmArgs& p, int set, int tb, int
   }
 }
 
+// The larger of two argmax keys (64-bit unsigned order).
+__device__ __forceinline__ unsigned long long key_max(unsigned long long a, unsigned long long b) { return a > b ? a : b; }
+
+// Element q of a plain epilogue's tile set (reduce_plain): tile grp = q / (NT * 4), fragment index i = q %
+// (NT * 4) of lane `lane`, i.e. output row r and token tok (shifts and masks: NT * 4 is a power of two).
+struct SetElem {
+  int grp, i, tok;
+  int64_t r;
+};
+template <int NT>
+__device__ __forceinline__ SetElem set_elem(int q, int64_t tile0, int tb, int lane) {
+  SetElem e;
+  e.grp = q / (NT * 4);
+  e.i = q % (NT * 4);
+  const int ci = e.i & 3;
+  e.r = (tile0 + e.grp) * 16 + (lane >> 2) + 8 * (ci >> 1);
+  e.tok = tb + (e.i >> 2) * 8 + 2 * (lane & 3) + (ci & 1);
+  return e;
+}
+
+// The plain epilogue of a tile set: y (or y +=), the RoPE / K/V store of the stacked QKV product
+// (rope_store), or the per-token argmax. Thread 32 w + ln takes elements q = w, w + 8, ... of the set's
+// kWarps / split * NT * 4 (set_elem), the order reduce_tiles has always used. A thread's tokens repeat with
+// period 16 / (NT * 4) passes, so its argmax keys stay in registers (two slots at most) and reach the CTA's
+// best once per set, after a shuffle over the 8 lanes of each token, instead of a contended 64-bit shared
+// atomic (a CAS loop) per element. One loop per epilogue kind (uniform): the keys are live only in the
+// argmax loop. (Before: ~130 instructions per element in the head, half of its 13.4M; ncu, BENCHMARKS.md.)
+template <int NT>
+__device__ __forceinline__ void reduce_plain(const MmArgs& p, int64_t tile0, int tb, int warp, int lane,
+                                             float (*red)[NT * 4][32], unsigned long long* best) {
+  constexpr bool kTwoSlots = NT * 4 > kWarps;  // NT = 4: i = warp on even passes, warp + 8 on odd ones
+  static_assert(NT * 4 <= 2 * kWarps, "reduce_plain: at most two argmax slots per thread");
+  const int elems = (kWarps >> p.split_log2) * NT * 4, gg = lane >> 2, tt = lane & 3;
+  if (p.rope_on) {  // the RoPE partner r ^ 1 is the same element of lane ln ^ 4, summed in the same order
+    for (int q = warp; q < elems; q += kWarps) {
+      const SetElem e = set_elem<NT>(q, tile0, tb, lane);
+      if (e.r >= p.n_out || e.tok >= p.n) continue;
+      const float v = tile_sum<NT>(p, red, e.grp, e.i, lane), w = tile_sum<NT>(p, red, e.grp, e.i, lane ^ 4);
+      rope_store(p.rope, p.y + (int64_t)e.tok * p.ldy, e.r, v, w, rope_target(p.rope, e.tok));
+    }
+    return;
+  }
+  if (!p.argmax) {
+    for (int q = warp; q < elems; q += kWarps) {
+      const SetElem e = set_elem<NT>(q, tile0, tb, lane);
+      if (e.r >= p.n_out || e.tok >= p.n) continue;
+      const float v = tile_sum<NT>(p, red, e.grp, e.i, lane);
+      float* dst = p.y + (int64_t)e.tok * p.ldy + e.r;
+      *dst = p.accumulate ? *dst + v : v;
+    }
+    return;
+  }
+  unsigned long long key0 = 0ull, key1 = 0ull;
+  int j = 0;
+  for (int q = warp; q < elems; q += kWarps, ++j) {
+    const SetElem e = set_elem<NT>(q, tile0, tb, lane);
+    if (e.r >= p.n_out || e.tok >= p.n) continue;
+    const unsigned long long k = argmax_key(tile_sum<NT>(p, red, e.grp, e.i, lane), e.r);
+    if (kTwoSlots && (j & 1)) key1 = key_max(key1, k);
+    else key0 = key_max(key0, k);
+  }
+#pragma unroll
+  for (int m = 0; m < (kTwoSlots ? 2 : 1); ++m) {  // lanes 4 gg + tt hold the same token for every gg
+    unsigned long long k = m ? key1 : key0;
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) k = key_max(k, __shfl_xor_sync(0xffffffffu, k, o));
+    const int i = (warp + kWarps * m) % (NT * 4), tl = (i >> 2) * 8 + 2 * tt + (i & 1);
+    if (gg == 0 && k != 0ull) atomicMax(best + tl, k);  // the CTA's best per token, raised into p.argmax at the end
+  }
+}
+
 // Sums each group's partial tiles (split warps each) in a fixed order (deterministic) and writes (or adds)
 // the outputs; group j of the CTA holds tile tile0 + j (with glu_on, reduce_glu's tiles of set `set`).
 // tok_scale (H kernels reading a deferred RMSNorm, else null): per token of the CTA, the factor 1 / rms
@@ -559,42 +661,23 @@ template <int NT, bool G>
 __device__ __forceinline__ void reduce_tiles(const MmArgs& p, int set, int64_t tile0, int tb, int warp, int lane,
                                              const float (&acc)[NT][4], float (*red)[NT * 4][32],
                                              unsigned long long* best, const float* tok_scale) {
+  if (tok_scale) {  // lane 4 g + t's tokens: 8 nt + 2 t and 8 nt + 2 t + 1
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
+    for (int nt = 0; nt < NT; ++nt) {
+      const float s0 = tok_scale[nt * 8 + 2 * (lane & 3)], s1 = tok_scale[nt * 8 + 2 * (lane & 3) + 1];
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-      red[warp][nt * 4 + i][lane] = tok_scale ? acc[nt][i] * tok_scale[nt * 8 + 2 * (lane & 3) + (i & 1)] : acc[nt][i];
-  __syncthreads();
-  if constexpr (G) {
-    reduce_glu<NT>(p, set, tb, warp, lane, red);
-    __syncthreads();
-    return;
-  }
-  if (p.norm_on) {
-    reduce_norm<NT>(p, tile0, tb, warp, lane, red);
-    __syncthreads();
-    return;
-  }
-  constexpr int kPerTile = NT * 4 * 32;
-  for (int e = threadIdx.x; e < kWarps / p.split * kPerTile; e += blockDim.x) {
-    const int grp = e / kPerTile, i = e % kPerTile / 32, ln = e % 32;
-    float v = 0.f;
-    for (int w = grp * p.split; w < (grp + 1) * p.split; ++w) v += red[w][i][ln];
-    const int gg = ln >> 2, tt = ln & 3, nt = i / 4, ci = i % 4;
-    const int64_t r = (tile0 + grp) * 16 + gg + 8 * (ci >> 1);
-    const int tok = tb + nt * 8 + 2 * tt + (ci & 1);
-    if (r >= p.n_out || tok >= p.n) continue;
-    if (p.rope_on) {  // the RoPE partner r ^ 1 is the same element of lane ln ^ 4, summed in the same order
-      float w = 0.f;
-      for (int s = grp * p.split; s < (grp + 1) * p.split; ++s) w += red[s][i][ln ^ 4];
-      rope_store(p.rope, p.y + (int64_t)tok * p.ldy, r, v, w, rope_target(p.rope, tok));
-    } else if (p.argmax) {  // the CTA's best per token (shared), raised into p.argmax at the end (mm_kernel)
-      atomicMax(best + (tok - tb), argmax_key(v, r));
-    } else {
-      float* dst = p.y + (int64_t)tok * p.ldy + r;
-      *dst = p.accumulate ? *dst + v : v;
+      for (int i = 0; i < 4; ++i) red[warp][nt * 4 + i][lane] = acc[nt][i] * (i & 1 ? s1 : s0);
     }
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) red[warp][nt * 4 + i][lane] = acc[nt][i];
   }
+  __syncthreads();
+  if constexpr (G) reduce_glu<NT>(p, set, tb, warp, lane, red);
+  else if (p.norm_on) reduce_norm<NT>(p, tile0, tb, warp, lane, red);
+  else reduce_plain<NT>(p, tile0, tb, warp, lane, red, best);
   __syncthreads();  // red is reused by the next tiles
 }
 
@@ -611,14 +694,12 @@ template <bool G>
 struct Items {  // 32-bit and division-free: the 32-token kernel is short of registers
   int rounds, n, c_first, stride, groups, group;
   __device__ Items(const MmArgs& p, int warp) {
-    groups = kWarps / p.split;
-    group = warp / p.split;
+    groups = kWarps >> p.split_log2;
+    group = warp >> p.split_log2;
     stride = p.split * p.round;
-    rounds = ((int)p.n_chunks + stride - 1) / stride;
-    const int per_set = G ? groups >> 1 : groups, live_tiles = G ? p.glu_tiles : (int)p.tiles;
-    const int sets = (live_tiles + per_set - 1) / per_set, bx = (int)blockIdx.x, nb = (int)gridDim.x;
-    n = rounds * (bx < sets ? (sets - bx + nb - 1) / nb : 0);
-    c_first = (warp % p.split) * p.round;
+    rounds = p.rounds;
+    n = rounds * (p.sets_q + ((int)blockIdx.x < p.sets_r ? 1 : 0));
+    c_first = (warp & (p.split - 1)) * p.round;
   }
 };
 

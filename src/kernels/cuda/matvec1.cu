@@ -364,8 +364,8 @@ __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
   const int slot = warp >> p.lsplit, sub = warp & (S - 1);
   const int tpg = W >> p.lsplit;
   // Items of this CTA: groups blockIdx.x, + gridDim.x, ...; rounds 0 .. rounds - 1 of each.
-  const int bx = (int)blockIdx.x, nb = (int)gridDim.x;
-  const int my_groups = bx < p.groups ? (p.groups - bx + nb - 1) / nb : 0;
+  // (grid <= groups, so every CTA has a group; the launch divides, not each CTA before its first load)
+  const int my_groups = p.groups_q + ((int)blockIdx.x < p.groups_r ? 1 : 0);
   const int n_items = my_groups * p.rounds;
   const int half = tpg >> 1;
   auto tile_of = [&](const Cursor& c) {
@@ -385,7 +385,7 @@ __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
   if (n_items > 0) load_round<F, X>(p, tile_of(cur), chunk_of(cur), nc_of(cur), lane, ra);
   const RopeTarget at = p.rope_on ? rope_target(p.rope) : RopeTarget{};
   if (p.rope_on && warp == W - 1) prefetch_kv_context(p.rope, lane);
-  float nw = Norm && n_items > 0 ? norm_weight<W>(p, bx) : 0.0f;  // the first group's, like its first round
+  float nw = Norm && n_items > 0 ? norm_weight<W>(p, (int)blockIdx.x) : 0.0f;  // the first group's, like its first round
   // L2 prefetch (lane 0) of the items after the first, which are loaded into registers only one ahead.
   if (p.l2_items > 0 && lane == 0) {
     Cursor c = cur;
@@ -631,6 +631,8 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
   const int64_t ctas = (int64_t)g_sm_count * per_sm;
   choose_split(p, ctas, tie_by_warps(F, epi == kEpiGlu), epi == kEpiGlu, epi == kEpiNorm);
   const unsigned grid = (unsigned)std::min<int64_t>(p.groups, ctas);
+  p.groups_q = p.groups / (int)grid;
+  p.groups_r = p.groups % (int)grid;
   const size_t smem = x.glu_src ? smem_bytes_glu<F>(w.k) : smem_bytes<F>(w.k);
   void (*kernel)(Mv1Args) = v == kArgmaxX  ? mv1_kernel<F, 2, kEpiArgmax, true>
                             : v == kArgmax ? mv1_kernel<F, 2, kEpiArgmax, false>

@@ -27,6 +27,7 @@ struct Mv1Args {
   int lsplit;        // log2 S: warps per tile
   int rounds;        // rounds per warp per tile: ceil(n_chunks / (kRound * S))
   int groups;        // tile groups of 8 / S tiles
+  int groups_q, groups_r;  // groups per CTA: groups_q, one more for blockIdx.x < groups_r (set by the launch)
   const int8_t* xq;
   const float* xs;
   float* y;
