@@ -162,10 +162,11 @@ __device__ __forceinline__ Rows make_rows(int seq, int kvh, int n_kv_heads, int 
   r.seq = seq;
   r.kv_dim = (int64_t)n_kv_heads * hd;
   r.head_off = (int64_t)kvh * hd;
-  r.G = group_lanes(hd);
-  r.gi = threadIdx.x % r.G;
-  r.group = threadIdx.x / r.G;
-  r.n_groups = kAttnThreads / r.G;
+  r.G = group_lanes(hd);  // a power of two: shifts and masks, not runtime divisions, before the first loads
+  const int lg = __ffs(r.G) - 1;
+  r.gi = threadIdx.x & (r.G - 1);
+  r.group = threadIdx.x >> lg;
+  r.n_groups = kAttnThreads >> lg;
   r.active = r.gi < hd / 8;
   return r;
 }
@@ -589,7 +590,8 @@ __global__ void __launch_bounds__(kAttnThreads) attention_kernel(const float* qk
   pdl_trigger();
   if (whole ? split != 0 : p0 >= n_pos) return;
   const int p1 = whole ? n_pos : min(p0 + sp.chunk, n_pos);
-  const Rows r = make_rows(seq, h / (n_heads / n_kv_heads), n_kv_heads, hd);
+  const int kvh = n_kv_heads == n_heads ? h : h / (n_heads / n_kv_heads);  // no division without GQA
+  const Rows r = make_rows(seq, kvh, n_kv_heads, hd);
   constexpr int kSlots = one_pass_slots<KV, Hoist>();
   const FirstSlots<kSlots> fs = first_slots<kSlots>(kv, r, p0, p1);
   if (sp.l2) prefetch_context<KV>(kv, r, fs, p0, p1, hd);

@@ -7,8 +7,19 @@
 
 namespace merlin::cuda {
 
+// A power-of-two block size (the default 16) takes a shift and a mask: a runtime division is ~20 dependent
+// instructions, and these lookups sit in kernel prologues (the attention's first slots) and epilogues.
 __device__ __forceinline__ int64_t kv_slot(const KvArgs& kv, int seq, int pos) {
-  return (int64_t)kv.d_table[(int64_t)seq * kv.max_blocks + pos / kv.block_size] * kv.block_size + pos % kv.block_size;
+  const int bs = kv.block_size;
+  int blk, off;
+  if ((bs & (bs - 1)) == 0) {
+    blk = pos >> (__ffs(bs) - 1);
+    off = pos & (bs - 1);
+  } else {
+    blk = pos / bs;
+    off = pos % bs;
+  }
+  return (int64_t)kv.d_table[(int64_t)seq * kv.max_blocks + blk] * bs + off;
 }
 
 __device__ __forceinline__ void store_kv(const KvArgs& kv, void* base, int64_t idx, float v) {
