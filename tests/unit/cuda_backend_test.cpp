@@ -638,3 +638,28 @@ TEST(CudaBackend, PagedBatchMatchesSeparateRuns) {
   paged->forward(d, tmp.data());
   EXPECT_LE(max_diff(tmp, want), 1e-6f * max_abs(want));
 }
+
+// K/V blocks of a size that is not a power of two take kv_slot's division (rope_kv.cuh); the default 16 and the
+// test above's 4 take its shift and mask. The same three sequences in blocks of 3 positions, shuffled.
+TEST(CudaBackend, PagedBlocksOfThreePositionsMatchSeparateRuns) {
+  REQUIRE_GPU();
+  auto m = Model::load(Models::get().path(DType::Q8_0));
+  const size_t vocab = (size_t)m->config().vocab_size;
+  const std::vector<std::vector<int32_t>> seqs = {{1, 403, 407, 9, 8, 7, 6, 5, 4, 3}, {1, 50, 60, 70, 80}, {1, 9, 33}};
+  std::vector<std::vector<float>> alone;
+  for (const auto& s : seqs) {
+    auto b = make_backend("cuda", *m, opts_with(1, 32));
+    alone.push_back(prefill(*m, *b, s, 0, 0, true));
+  }
+  BackendOptions bo = opts_with(3, 32);
+  bo.kv_block_size = 3;
+  bo.n_kv_blocks = 12;
+  auto paged = make_backend("cuda", *m, bo);
+  EXPECT_EQ(paged->kv_block_size(), 3);
+  paged->set_block_table(0, std::vector<int32_t>{9, 2, 6, 0});  // 10 positions
+  paged->set_block_table(1, std::vector<int32_t>{11, 4});       // 5
+  paged->set_block_table(2, std::vector<int32_t>{7});           // 3
+  cuda::set_matmul_half(false);  // the int8 kernels, as the separate runs of 10, 5 and 3 tokens (above)
+  test::expect_batch_matches_alone(*paged, seqs, alone, vocab, 1e-6f);
+  cuda::set_matmul_half(true);
+}
