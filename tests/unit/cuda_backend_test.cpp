@@ -595,16 +595,28 @@ TEST(CudaBackend, GraphReplayIsBitIdenticalToEager) {
   }
 }
 
+// Three sequences of 10, 5 and 3 tokens of the Q8_0 test model, each prefilled alone on its own backend: what
+// a paged batch of all three must reproduce (expect_batch_matches_alone).
+struct PagedCase {
+  std::unique_ptr<Model> m = Model::load(Models::get().path(DType::Q8_0));
+  size_t vocab = (size_t)m->config().vocab_size;
+  std::vector<std::vector<int32_t>> seqs = {{1, 403, 407, 9, 8, 7, 6, 5, 4, 3}, {1, 50, 60, 70, 80}, {1, 9, 33}};
+  std::vector<std::vector<float>> alone;
+  PagedCase() {
+    for (const auto& s : seqs) {
+      auto b = make_backend("cuda", *m, opts_with(1, 32));
+      alone.push_back(prefill(*m, *b, s, 0, 0, true));
+    }
+  }
+};
+
 TEST(CudaBackend, PagedBatchMatchesSeparateRuns) {
   REQUIRE_GPU();
-  auto m = Model::load(Models::get().path(DType::Q8_0));
-  const size_t vocab = (size_t)m->config().vocab_size;
-  const std::vector<std::vector<int32_t>> seqs = {{1, 403, 407, 9, 8, 7, 6, 5, 4, 3}, {1, 50, 60, 70, 80}, {1, 9, 33}};
-  std::vector<std::vector<float>> alone;
-  for (const auto& s : seqs) {
-    auto b = make_backend("cuda", *m, opts_with(1, 32));
-    alone.push_back(prefill(*m, *b, s, 0, 0, true));
-  }
+  PagedCase c;
+  auto& m = c.m;
+  const size_t vocab = c.vocab;
+  const auto& seqs = c.seqs;
+  const auto& alone = c.alone;
   BackendOptions bo = opts_with(3, 32);
   bo.kv_block_size = 4;
   bo.n_kv_blocks = 20;
@@ -643,14 +655,11 @@ TEST(CudaBackend, PagedBatchMatchesSeparateRuns) {
 // test above's 4 take its shift and mask. The same three sequences in blocks of 3 positions, shuffled.
 TEST(CudaBackend, PagedBlocksOfThreePositionsMatchSeparateRuns) {
   REQUIRE_GPU();
-  auto m = Model::load(Models::get().path(DType::Q8_0));
-  const size_t vocab = (size_t)m->config().vocab_size;
-  const std::vector<std::vector<int32_t>> seqs = {{1, 403, 407, 9, 8, 7, 6, 5, 4, 3}, {1, 50, 60, 70, 80}, {1, 9, 33}};
-  std::vector<std::vector<float>> alone;
-  for (const auto& s : seqs) {
-    auto b = make_backend("cuda", *m, opts_with(1, 32));
-    alone.push_back(prefill(*m, *b, s, 0, 0, true));
-  }
+  PagedCase c;
+  auto& m = c.m;
+  const size_t vocab = c.vocab;
+  const auto& seqs = c.seqs;
+  const auto& alone = c.alone;
   BackendOptions bo = opts_with(3, 32);
   bo.kv_block_size = 3;
   bo.n_kv_blocks = 12;
