@@ -412,8 +412,9 @@ TEST(CudaMatvec1, ArgmaxMatchesArgmaxRows) {
 
 // The batched greedy head (matmul_argmax, then argmax_keys_to_ids) picks, for every token, argmax_rows'
 // index over matmul's logits of the same tokens, also when the largest row is copied to an earlier row (the
-// first one wins), for 2..32 tokens (8-, 16- and 32-token CTAs) and every format the batched products take;
-// the keys are zero again afterwards.
+// first one wins), for 2..32 tokens (8-, 16- and 32-token CTAs) and every format the batched products take,
+// at the chosen shape and at 1 and 2 warps per tile (reduce_argmax_pair: the batched head's shape, which
+// needs more tiles than a test matrix to be chosen); the keys are zero again afterwards.
 TEST(CudaMatmul, ArgmaxMatchesArgmaxRows) {
   REQUIRE_GPU();
   const int64_t rows = 16 * 300 + 5, k = 768;
@@ -430,14 +431,19 @@ TEST(CudaMatmul, ArgmaxMatchesArgmaxRows) {
         ASSERT_TRUE(cu::matmul_argmax_fits(m, n));
         cu::ActBuf x = plain_rows(m, k, n, 72);
         DevFloats y(std::vector<float>((size_t)n * rows, 0.f));
-        cu::matmul(m, x, n, y.p, rows, rows, false, nullptr);
-        cu::argmax_rows(y.p, rows, n, rows, want_ids, nullptr);
-        cu::matmul_argmax(m, x, n, rows, keys, nullptr);
-        cu::argmax_keys_to_ids(keys, n, got_ids, nullptr);
-        cu::sync_device();
-        const std::vector<int32_t> want = test::download(want_ids, (size_t)n), got = test::download(got_ids, (size_t)n);
-        EXPECT_EQ(got, want) << "round " << round;
-        for (unsigned long long key : test::download(keys, (size_t)n)) EXPECT_EQ(key, 0ull);
+        std::vector<int32_t> want;
+        for (int split : {0, 1, 2}) {  // the chosen shape (8 warps per tile here), then the pair epilogue's
+          cu::set_matmul_shape(split, 0);
+          cu::matmul(m, x, n, y.p, rows, rows, false, nullptr);
+          cu::argmax_rows(y.p, rows, n, rows, want_ids, nullptr);
+          cu::matmul_argmax(m, x, n, rows, keys, nullptr);
+          cu::argmax_keys_to_ids(keys, n, got_ids, nullptr);
+          cu::sync_device();
+          cu::set_matmul_shape(0, 0);
+          want = test::download(want_ids, (size_t)n);
+          EXPECT_EQ(test::download(got_ids, (size_t)n), want) << "round " << round << " split " << split;
+          for (unsigned long long key : test::download(keys, (size_t)n)) EXPECT_EQ(key, 0ull);
+        }
         if (round == 0) {  // token 0's largest row copied to row 3: row 3 must win for it now
           EXPECT_GT(want[0], 3);
           std::memcpy(&w[3 * rb], &w[(size_t)want[0] * rb], rb);
@@ -540,6 +546,81 @@ TEST(CudaMatmulNorm, EpilogueMatchesSeparateKernel) {
       cu::free_matrix(r);
     }
     cu::act_free(a);
+    cu::free_matrix(m);
+  }
+}
+
+// matmul_norm's half-plane mode (half_only, for readers on the H kernels): the residual rows bit-identical
+// to matmul()'s (the product keeps its warps per tile), the half plane y * w rounded to half at every
+// element (frag_h_index, written out here), the sums of squares per token and 16 outputs to 1e-12, and a
+// reader that takes the half plane (reads_half_norm: 2,400 rows, 32-token CTAs) agreeing with one reading
+// prep_act's RMSNorm rows to 2e-3 of its largest output; a reader of the wrong token count or one on the
+// int8 kernels (272 rows: 8-token CTAs) refuses the buffer. Shapes of base (Wo, down) and a partial tile set.
+TEST(CudaMatmulNorm, HalfPlaneMatchesSeparateKernel) {
+  REQUIRE_GPU();
+  struct Shape { int64_t n, k; };
+  const float eps = 1e-5f;
+  auto frag_h = [](int t, int64_t i, int64_t k) {
+    const int j = (int)(i & 31), lane = (t & 7) * 4 + ((j & 15) >> 2);
+    return (size_t)((((int64_t)(t >> 3) * (k >> 5) + (i >> 5)) * 32 + lane) * 8 + (j >> 4) * 4 + ((j & 1) << 1) +
+                    ((j >> 1) & 1));
+  };
+  for (DType t : {DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::F16})
+  for (const Shape s : {Shape{768, 768}, Shape{768, 2048}, Shape{160, 256}})
+  for (int n : {17, 32}) {
+    SCOPED_TRACE(std::string(dtype_name(t)) + " n_out " + std::to_string(s.n) + " k " + std::to_string(s.k) +
+                 " tokens " + std::to_string(n));
+    cu::Matrix m = upload_one(t, random_matrix(t, s.n, s.k, 51), s.n, s.k);
+    ASSERT_TRUE(cu::matmul_norm_half_fits(m, s.n, n));
+    cu::ActBuf a = plain_rows(m, s.k, n, 52);
+    const std::vector<float> nw = norm_weights(s.n, 54), y0 = gaussian((size_t)n * s.n, 53, 3.0f);
+    DevFloats dnw(nw), want_y(y0), got_y(y0);
+    const int64_t tiles = s.n / 16;
+    auto* part = static_cast<double*>(cu::dev_alloc((size_t)n * tiles * sizeof(double)));
+    cu::ActBuf want = cu::act_alloc(cu::ActKind::Q8_0, s.n, n), got = cu::act_alloc(cu::ActKind::Q8_0, s.n, n);
+    cu::matmul(m, a, n, want_y.p, s.n, s.n, true, nullptr);
+    const cu::PrepArgs norm{cu::Prep::RmsNorm, want_y.p, s.n, dnw.p, eps, 0, nullptr};
+    cu::prep_act(norm, n, want, nullptr);
+    ASSERT_TRUE(cu::matmul_norm(m, a, n, got_y.p, s.n, s.n, true, dnw.p, got, part, nullptr, true));
+    cu::sync_device();
+    const std::vector<float> yw = test::download(want_y.p, y0.size()), yg = test::download(got_y.p, y0.size());
+    ASSERT_EQ(std::memcmp(yw.data(), yg.data(), yw.size() * sizeof(float)), 0) << "residual rows, bit for bit";
+    const std::vector<double> ss = test::download(part, (size_t)n * tiles);
+    const std::vector<uint16_t> fh = test::download(got.fh, (size_t)(n + 7) / 8 * 8 * s.n);
+    int half_diff = 0;
+    for (int tok = 0; tok < n; ++tok)
+      for (int64_t b = 0; b < tiles; ++b) {
+        double host = 0;
+        for (int64_t i = b * 16; i < b * 16 + 16; ++i) {
+          const float y = yg[(size_t)tok * s.n + i];
+          host += (double)y * y;
+          half_diff += fh[frag_h(tok, i, s.n)] != f32_to_fp16(y * nw[(size_t)i]);
+        }
+        EXPECT_NEAR(ss[(size_t)tok * tiles + b], host, 1e-12 * host) << "token " << tok << " tile " << b;
+      }
+    EXPECT_EQ(half_diff, 0) << "half plane";
+    cu::ActBuf folded = got;
+    folded.rms_part = part;
+    folded.rms_eps = eps;
+    folded.rms_rows = n;
+    folded.rms_block = 16;
+    for (DType rt : {DType::Q8_0, DType::Q4_0}) {
+      cu::Matrix r = upload_one(rt, random_matrix(rt, 16 * 150, s.n, 55), 16 * 150, s.n);
+      ASSERT_TRUE(cu::reads_half_norm(r, n)) << dtype_name(rt);
+      const std::vector<float> hw = reader_out(r, want, n), hg = reader_out(r, folded, n);
+      EXPECT_GT(max_abs(hw), 0.0f);
+      EXPECT_LE(max_diff(hw, hg), 2e-3f * max_abs(hw)) << "reader " << dtype_name(rt);
+      EXPECT_THROW(reader_out(r, folded, n - 1), Error) << "a different token count";
+      cu::free_matrix(r);
+      cu::Matrix small = upload_one(rt, random_matrix(rt, 272, s.n, 56), 272, s.n);
+      EXPECT_FALSE(cu::reads_half_norm(small, n));
+      EXPECT_THROW(reader_out(small, folded, n), Error) << "a reader on the int8 kernels";
+      cu::free_matrix(small);
+    }
+    cu::act_free(want);
+    cu::act_free(got);
+    cu::act_free(a);
+    cu::dev_free(part);
     cu::free_matrix(m);
   }
 }

@@ -38,7 +38,7 @@ __host__ __device__ __forceinline__ int64_t frag_scale_index(int t, int64_t bloc
 // and lanes as frag_code_index, 8 halves per lane, but each 4 elements of a lane in the order 0, 2, 1, 3. A
 // lane's weights of k-step elements 4c..4c+3 dequantize cheapest in the pairs (4c, 4c + 2) and (4c + 1,
 // 4c + 3) (a nibble or byte mask keeps every other byte), and an m16n8k16 product only needs its A and B
-// operands to pair the same columns (matmul_kernels.cuh, half_act_step).
+// operands to pair the same columns (matmul_operands.cuh, half_act_step).
 __host__ __device__ __forceinline__ int64_t frag_h_index(int t, int64_t i, int64_t k) {
   const int j = (int)(i & 31);
   const int lane = (t & 7) * 4 + ((j & 15) >> 2);

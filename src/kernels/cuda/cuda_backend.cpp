@@ -63,6 +63,7 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   norm_fold_ = !env_is("MERLIN_CUDA_NORM_FOLD", "0") && c_.dim % 32 == 0;
   norm_fold_mm_ = (int)std::clamp(env_int("MERLIN_CUDA_NORM_FOLD_MM", norm_fold_mm_), 0L, (long)kGraphMaxTokens);
   norm_fold_always_ = env_is("MERLIN_CUDA_NORM_PAYS", "1");
+  norm_half_ = !env_is("MERLIN_CUDA_NORM_HALF", "0");
   split_attention_ = !env_is("MERLIN_CUDA_SPLITK", "0");
   twice_ = parse_stages(std::getenv("MERLIN_CUDA_TWICE"));
   if (opts.long_decode) {
@@ -132,7 +133,7 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
   if (norm_fold_) {  // a buffer of its own: Wo and down read the shared Q8_0 rows of length dim
     const int rows = std::max(1, std::min(max_batch_, norm_fold_mm_));
     norm_act_ = cuda::act_alloc(ActKind::Q8_0, c_.dim, rows);
-    norm_part_ = dev_array<double>((size_t)rows * c_.dim / 32);
+    norm_part_ = dev_array<double>((size_t)rows * c_.dim / 16);  // per 32 outputs, or 16 (the half-plane mode)
   }
   const Weight& e = m_.token_embd();
   embd_ = cuda::dev_alloc((size_t)e.rows * e.row_bytes);

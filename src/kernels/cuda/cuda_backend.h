@@ -182,10 +182,13 @@ class CudaBackend final : public Backend {
                const cuda::KvArgs& kv, const ActBuf* in);
   cuda::RopeKvArgs rope_args(const int32_t* pos, const int32_t* seq, const cuda::KvArgs& kv) const;
   static int kv_l2_positions(const cuda::KvArgs& kv, int64_t kv_dim);
-  bool folds_norm(const Linear& producer, const Linear& reader, int n) const;
-  ActBuf folded_input(int n) const;
-  bool run_residual(const Linear& l, const cuda::PrepArgs& p, int n, bool prepared, const float* next_norm,
-                    const Linear* reader, const ActBuf* in = nullptr);
+  // How a producer writes its reader's RMSNorm input (folds_norm, run_residual): not at all, as Q8_0 rows with
+  // deferred block scales, or as the half plane with sums of squares per 16 outputs (H-kernel readers).
+  enum class Fold { None, Rows, Half };
+  Fold folds_norm(const Linear& producer, const Linear& reader, int n, bool half_ok) const;
+  ActBuf folded_input(int n, Fold f) const;
+  Fold run_residual(const Linear& l, const cuda::PrepArgs& p, int n, bool prepared, const float* next_norm,
+                    const Linear* reader, bool half_ok, const ActBuf* in = nullptr);
   const ActBuf* glu_input(const Linear& down, int n, int64_t ffn_off);
   float* upload_floats(const std::vector<float>& v);
   // MERLIN_CUDA_TWICE=stage,... (timing only: the results are wrong) queues those stages' kernels twice per
@@ -226,6 +229,8 @@ class CudaBackend final : public Backend {
   // gains (fifteenth session, docs/GPU.md).
   int norm_fold_mm_ = kGraphMaxTokens;
   bool norm_fold_always_ = false;  // MERLIN_CUDA_NORM_PAYS=1: batched folds wherever they fit (A/B timing)
+  // MERLIN_CUDA_NORM_HALF=0: no half-plane fold (Fold::Half) of the down product into the next QKV's input
+  bool norm_half_ = true;
   unsigned twice_ = 0;  // MERLIN_CUDA_TWICE
   // MERLIN_CUDA_STEP_TIMING=1 (A/B timing): per graph step, the GPU's span (events around the launch) and the
   // host's wall time of run_step, averaged and printed to stderr when the backend is destroyed.

@@ -127,45 +127,58 @@ bool CudaBackend::run_gate_up_swiglu(const Layer& L, const cuda::PrepArgs& norm,
 // matmul_norm for decode-sized steps: the reader's staged scales get 1 / rms(x) from per-block sums of
 // squares; within rounding of the separate kernel's result, not bit-identical). The reader must take Q8_0
 // rows through the single-token kernels, or through batched ones that stage them (reads_deferred_norm).
-bool CudaBackend::folds_norm(const Linear& producer, const Linear& reader, int n) const {
+// Where the caller allows it (half_ok: a reader whose kernel choice reads_half_norm sees, i.e. not the
+// gate/up product's Glu epilogue) and every reader part takes the half plane at n tokens, the producer
+// writes only that plane (Fold::Half): its product keeps its own warps per tile, where the Q8_0 rows' blocks
+// of 32 would cap them at 4.
+CudaBackend::Fold CudaBackend::folds_norm(const Linear& producer, const Linear& reader, int n, bool half_ok) const {
   if (!norm_fold_ || fuse_prep_ || producer.mats.size() != 1 || use_gemm(producer, n) || use_gemm(reader, n))
-    return false;
-  if (n > 1 && n > std::min(norm_fold_mm_, norm_act_.n_cap)) return false;
+    return Fold::None;
+  if (n > 1 && n > std::min(norm_fold_mm_, norm_act_.n_cap)) return Fold::None;
+  bool half = n > 1 && half_ok && norm_half_;
   for (const Matrix& m : reader.mats) {
-    if (m.act() != ActKind::Q8_0 || m.k != c_.dim) return false;
-    if (n > 1 && !cuda::reads_deferred_norm(m, n)) return false;
+    if (m.act() != ActKind::Q8_0 || m.k != c_.dim) return Fold::None;
+    half = half && cuda::reads_half_norm(m, n);
   }
   const Matrix& m = producer.mats[0];
-  return n == 1 ? cuda::norm_fold_fits(m, c_.dim)
-                : cuda::matmul_norm_fits(m, c_.dim, n) && (norm_fold_always_ || cuda::matmul_norm_pays(m, n));
+  if (half && cuda::matmul_norm_half_fits(m, c_.dim, n) && (norm_fold_always_ || cuda::matmul_norm_half_pays(m, n)))
+    return Fold::Half;
+  for (const Matrix& r : reader.mats)
+    if (n > 1 && !cuda::reads_deferred_norm(r, n)) return Fold::None;
+  const bool rows = n == 1 ? cuda::norm_fold_fits(m, c_.dim)
+                           : cuda::matmul_norm_fits(m, c_.dim, n) && (norm_fold_always_ || cuda::matmul_norm_pays(m, n));
+  return rows ? Fold::Rows : Fold::None;
 }
 
-ActBuf CudaBackend::folded_input(int n) const {
+ActBuf CudaBackend::folded_input(int n, Fold f) const {
   ActBuf a = norm_act_;
   a.rms_part = norm_part_;
   a.rms_eps = c_.norm_eps;
   a.rms_rows = n;
+  a.rms_block = f == Fold::Half ? 16 : 32;
   return a;
 }
 
 // x_ += act(p) · l. With a reader (folds_norm), the product also writes the reader's input, RMSNorm(x_) with
-// weights next_norm, into norm_act_ and returns true: the reader takes folded_input().
-bool CudaBackend::run_residual(const Linear& l, const cuda::PrepArgs& p, int n, bool prepared, const float* next_norm,
-                               const Linear* reader, const ActBuf* in) {
-  if (reader && folds_norm(l, *reader, n)) {
+// weights next_norm, into norm_act_ and returns how: the reader takes folded_input().
+CudaBackend::Fold CudaBackend::run_residual(const Linear& l, const cuda::PrepArgs& p, int n, bool prepared,
+                                            const float* next_norm, const Linear* reader, bool half_ok,
+                                            const ActBuf* in) {
+  const Fold f = reader ? folds_norm(l, *reader, n, half_ok) : Fold::None;
+  if (f != Fold::None) {
     if (!prepared && !in) prepare_inputs(p, l, n, false);
     const Matrix& m = l.mats[0];
     const ActBuf& x = in ? *in : act(m.act(), m.k);
     if (queue(stage_, [&] {
           return n == 1 ? cuda::matvec1_norm(m, x, x_, c_.dim, true, next_norm, norm_act_, norm_part_, stream_)
                         : cuda::matmul_norm(m, x, n, x_, c_.dim, c_.dim, true, next_norm, norm_act_, norm_part_,
-                                            stream_);
+                                            stream_, f == Fold::Half);
         }))
-      return true;
+      return f;
     prepared = true;
   }
   run_linear(l, p, n, x_, c_.dim, c_.dim, true, prepared, in);
-  return false;
+  return Fold::None;
 }
 
 // One-token steps whose SwiGLU did not go into the gate/up product: the down product computes it while it
@@ -244,8 +257,7 @@ void CudaBackend::enqueue(int n, int n_out, Output out, const StepIo& io) {
   const int hd = (int)c_.head_dim();
   const int64_t q_dim = c_.n_heads * hd, k_off = cuda::padded_rows(q_dim);
   const int64_t ffn_off = cuda::padded_rows(c_.ffn_dim);
-  const ActBuf folded = folded_input(n);
-  bool attn_folded = false;  // the previous layer's down product wrote this layer's QKV input (run_residual)
+  Fold attn_folded = Fold::None;  // how the previous layer's down product wrote this layer's QKV input
   for (size_t li = 0; li < layers_.size(); ++li) {
     const Layer& L = layers_[li];
     const Layer* next = li + 1 < layers_.size() ? &layers_[li + 1] : nullptr;
@@ -265,7 +277,8 @@ void CudaBackend::enqueue(int n, int n_out, Output out, const StepIo& io) {
     const cuda::KvArgs kv{L.k, L.v, kv_elem_ == 2, block_size_, max_blocks_, table_, kv_q8_, L.ks, L.vs};
     stage_ = kQkv;
     ActBuf* wo_in = attention_output_act(L.wo, n);  // null for tiled attention
-    const bool context_l2 = run_qkv(L, norm, n, pos, seq, kv, attn_folded ? &folded : nullptr);
+    const ActBuf attn_in = folded_input(n, attn_folded);
+    const bool context_l2 = run_qkv(L, norm, n, pos, seq, kv, attn_folded != Fold::None ? &attn_in : nullptr);
     queue(kAttn, [&] {
       if (flash_now_)
         cuda::flash_attention(qkv_, qkv_ld, d_tiles_, n_tiles_, (int)c_.n_heads, (int)c_.n_kv_heads, hd, kv, att_,
@@ -278,8 +291,9 @@ void CudaBackend::enqueue(int n, int n_out, Output out, const StepIo& io) {
     });
     cuda::PrepArgs plain{cuda::Prep::Plain, att_, q_dim, nullptr, 0, 0, nullptr};
     stage_ = kWo;
-    const bool ffn_folded = run_residual(L.wo, plain, n, wo_in != nullptr, L.ffn_norm, &L.gate_up);
-    const ActBuf* ffn_in = ffn_folded ? &folded : nullptr;
+    const Fold ffn_folded = run_residual(L.wo, plain, n, wo_in != nullptr, L.ffn_norm, &L.gate_up, false);
+    const ActBuf ffn_act = folded_input(n, ffn_folded);
+    const ActBuf* ffn_in = ffn_folded != Fold::None ? &ffn_act : nullptr;
     cuda::PrepArgs norm2{cuda::Prep::RmsNorm, x_, c_.dim, L.ffn_norm, c_.norm_eps, 0, nullptr};
     stage_ = kGateUp;
     const bool glu_done = run_gate_up_swiglu(L, norm2, n, ffn_off, ffn_in);
@@ -291,15 +305,16 @@ void CudaBackend::enqueue(int n, int n_out, Output out, const StepIo& io) {
     stage_ = kDown;
     const ActBuf* down_in = glu_done ? nullptr : glu_input(L.down, n, ffn_off);
     attn_folded = run_residual(L.down, glu, n, glu_done, next ? next->attn_norm : to_head ? out_norm_ : nullptr,
-                               next ? &next->qkv : to_head ? &head_ : nullptr, down_in);
+                               next ? &next->qkv : to_head ? &head_ : nullptr, next != nullptr, down_in);
   }
   if (n_out > 0) {
     cuda::PrepArgs fin{cuda::Prep::RmsNorm, x_, c_.dim, out_norm_, c_.norm_eps, 0, rows};
     stage_ = kHead;
     if (fused_argmax(n_out, out)) {
       const Matrix& m = head_.mats[0];
-      if (!attn_folded) prepare_inputs(fin, head_, 1, false);
-      const ActBuf& x = attn_folded ? folded : act(m.act(), m.k);
+      const ActBuf folded = folded_input(n, attn_folded);
+      if (attn_folded == Fold::None) prepare_inputs(fin, head_, 1, false);
+      const ActBuf& x = attn_folded != Fold::None ? folded : act(m.act(), m.k);
       queue(kHead, [&] { return cuda::matvec1_argmax(m, x, logits_, c_.vocab_size, io.key, stream_); });
       if (io.copy_out)
         MERLIN_CUDA_CHECK(cudaMemcpyAsync(h_ids_ + max_batch_, io.key, sizeof(unsigned long long),
@@ -308,8 +323,9 @@ void CudaBackend::enqueue(int n, int n_out, Output out, const StepIo& io) {
     }
     if (batched_argmax(n_out, out)) {  // the head's product keeps each row's argmax, not the logits
       const Matrix& m = head_.mats[0];
-      if (!attn_folded) prepare_inputs(fin, head_, n_out, false);
-      const ActBuf& x = attn_folded ? folded : act(m.act(), m.k);
+      const ActBuf folded = folded_input(n, attn_folded);
+      if (attn_folded == Fold::None) prepare_inputs(fin, head_, n_out, false);
+      const ActBuf& x = attn_folded != Fold::None ? folded : act(m.act(), m.k);
       int32_t* ids = io.ids ? io.ids : d_ids_;
       queue(kHead, [&] { return cuda::matmul_argmax(m, x, n_out, c_.vocab_size, d_keys_, stream_), true; });
       queue(kArgmax, [&] { return cuda::argmax_keys_to_ids(d_keys_, n_out, ids, stream_), true; });
@@ -317,7 +333,9 @@ void CudaBackend::enqueue(int n, int n_out, Output out, const StepIo& io) {
         MERLIN_CUDA_CHECK(cudaMemcpyAsync(h_ids_, ids, (size_t)n_out * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
       return;
     }
-    run_linear(head_, fin, n_out, logits_, c_.vocab_size, c_.vocab_size, false, false, attn_folded ? &folded : nullptr);
+    const ActBuf folded = folded_input(n, attn_folded);
+    run_linear(head_, fin, n_out, logits_, c_.vocab_size, c_.vocab_size, false, false,
+               attn_folded != Fold::None ? &folded : nullptr);
     MERLIN_CHECK(io.copy_out || out != Output::Logits, "internal: logits rows always go to the host");
     if (out == Output::GreedyIds) {
       int32_t* ids = io.ids ? io.ids : d_ids_;

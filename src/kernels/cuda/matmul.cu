@@ -158,6 +158,15 @@ KernelFn pick_half_kernel(bool x, int round, bool staged) {
   return staged ? pick_half_kernel<F, G, 2>(x, round) : pick_half_kernel<F, G, 1>(x, round);
 }
 
+// How the RoPE epilogue finds each token's K/V slot and cos / sin row (MmArgs::rope_early) when the CTA's
+// last warp has no chunks of k (last_idle: base's QKV at 32 tokens) or has. MERLIN_CUDA_ROPE_EARLY (read
+// once) = 0, 1 or 2 forces one mode everywhere (A/B timing; the same results).
+int rope_mode(bool last_idle) {
+  static const int forced = (int)env_int("MERLIN_CUDA_ROPE_EARLY", -1);
+  if (forced >= 0 && forced <= 2) return forced;
+  return last_idle ? 1 : 2;
+}
+
 // The item walk's constants (MmArgs::split_log2 .. sets_r) of a launch of `ctas` CTAs over `sets` tile sets:
 // computed here once, so that no CTA spends its first instructions on runtime divisions (Items).
 void set_items(MmArgs& p, int64_t sets, int64_t ctas) {
@@ -180,6 +189,8 @@ void launch_nt(MmArgs p, Stream stream, int64_t tiles) {
   p.stage_x = staged <= stage_limit(NT) && (!h || half_staging() != 0) ? 1 : 0;
   MERLIN_CHECK(p.stage_x || !p.fuse_prep, "matmul: a fused preparation needs the activations in shared memory");
   MERLIN_CHECK(p.stage_x || h || !p.rms_part, "matmul: a deferred RMSNorm needs the activations in shared memory");
+  MERLIN_CHECK(h || !p.rms_part || p.rms_blocks == p.k / 32,
+               "matmul: sums of squares per 16 outputs (matmul_norm's half plane) are read by the H kernels only");
   p.round = round_for(F, NT, p.n_chunks);
   const bool x = exact_rounds(F, NT, p);
   const int64_t resident =
@@ -187,13 +198,14 @@ void launch_nt(MmArgs p, Stream stream, int64_t tiles) {
   p.split = warps_per_tile(p.n_chunks, tiles, resident, p.round);
   if (p.glu_on) p.split = glu_split();
   if (g_split_force > 0) p.split = g_split_force;
-  if (p.norm_on) p.split = std::min(p.split, 4);  // a tile set of >= 2 tiles holds whole blocks of 32 rows
+  if (p.norm_on == 1) p.split = std::min(p.split, 4);  // a tile set of >= 2 tiles holds whole blocks of 32 rows
   if (p.glu_on) p.split = std::min(p.split, 2);   // a set of >= 2 gate and 2 up tiles: whole blocks
   const int64_t per_set = kWarps / p.split / (p.glu_on ? 2 : 1);
   const int64_t sets = ((p.glu_on ? p.glu_tiles : tiles) + per_set - 1) / per_set;
   const dim3 grid((unsigned)std::min(sets, resident), (unsigned)((p.n + 8 * NT - 1) / (8 * NT)));
   set_items(p, sets, grid.x);
   if (h && half_staging() == -1 && sets <= resident) p.stage_x = 0;  // one tile set per CTA: not worth a stage
+  if (p.rope_on) p.rope_early = rope_mode(((kWarps - 1) & (p.split - 1)) * p.round >= p.n_chunks);
   const bool in_smem = p.stage_x != 0;
   KernelFn kernel = p.glu_on ? pick_kernel<F, NT, true>(capped, x, p.round)  //
                              : pick_kernel<F, NT, false>(capped, x, p.round);
@@ -226,6 +238,13 @@ int glu_nt(int n) {
   static const int forced = (int)env_int("MERLIN_CUDA_GLU_MM_NT", 1);
   const int nt = forced == 2 || forced == 4 ? forced : 1;
   return std::min(nt, n <= 8 ? 1 : n <= 16 ? 2 : 4);
+}
+
+// MERLIN_CUDA_ARGMAX_PAIRS=0 (read once): the batched head's argmax through reduce_plain's element walk even
+// at 1 or 2 warps per tile (A/B timing; the same ids).
+bool argmax_pairs() {
+  static const bool on = !env_is("MERLIN_CUDA_ARGMAX_PAIRS", "0");
+  return on;
 }
 
 // MERLIN_CUDA_HALF_MM (read once): 0 = never, 1 (default) = the products that run 32-token CTAs anyway
@@ -365,6 +384,7 @@ MmArgs product_args(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t
            kRound, 0, RopeKvArgs{}};
   p.rms_part = x.rms_part;
   p.rms_eps = x.rms_eps;
+  p.rms_blocks = x.rms_part ? (int)(w.k / x.rms_block) : 0;
   p.xfh = x.fh;
   return p;
 }
@@ -403,6 +423,23 @@ bool reads_deferred_norm(const Matrix& w, int n) {
   return staged_bytes(w.fmt, w.k, staged) + deferred_part_bytes(w.k, staged) <= stage_limit(nt);
 }
 
+// Whether w at n tokens can read x's deferred RMSNorm, of either kind (rms_block).
+static bool reads_norm_of(const ActBuf& x, const Matrix& w, int n) {
+  return x.rms_block == 16 ? reads_half_norm(w, n) : reads_deferred_norm(w, n);
+}
+
+bool reads_half_norm(const Matrix& w, int n) {
+  int nt = nt_for(n, geometry(w.fmt, w.rows, w.k).tiles);
+  if (g_nt_force > 0) nt = g_nt_force;
+  return n >= 2 && h_built(w.fmt) && half_kernel(w.fmt, nt, n);
+}
+
+bool matmul_norm_half_fits(const Matrix& w, int64_t n_out, int n) {
+  return w.fmt != kF32 && n >= 2 && n_out > 0 && n_out % 16 == 0 && n_out <= w.rows;
+}
+
+bool matmul_norm_half_pays(const Matrix& w, int /*n*/) { return geometry(w.fmt, w.rows, w.k).n_chunks <= 64; }
+
 bool matmul_norm_fits(const Matrix& w, int64_t n_out, int n) {
   return w.fmt != kF32 && n >= 2 && n_out > 0 && n_out % 32 == 0 && n_out <= w.rows;
 }
@@ -415,14 +452,15 @@ bool matmul_norm_pays(const Matrix& w, int n) {
 }
 
 bool matmul_norm(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out, bool accumulate,
-                 const float* d_norm_w, ActBuf& out, double* d_part, Stream stream) {
-  if (!matmul_norm_fits(w, n_out, n)) return false;
+                 const float* d_norm_w, ActBuf& out, double* d_part, Stream stream, bool half_only) {
+  if (half_only ? !matmul_norm_half_fits(w, n_out, n) : !matmul_norm_fits(w, n_out, n)) return false;
   MERLIN_CHECK(x.kind == w.act() && x.k == w.k && n <= x.n_cap, "matmul_norm: activation buffer does not fit the matrix");
-  MERLIN_CHECK(out.kind == ActKind::Q8_0 && out.k == n_out && n <= out.n_cap && out.fq && out.fs && out.fsum,
+  MERLIN_CHECK(out.kind == ActKind::Q8_0 && out.k == n_out && n <= out.n_cap &&
+                   (half_only ? out.fh != nullptr : out.fq && out.fs && out.fsum),
                "matmul_norm: the output buffer does not fit");
   MERLIN_CHECK(!x.rms_part, "matmul_norm: the input has a deferred RMSNorm");
   MmArgs p = product_args(w, x, n, d_y, ldy, n_out, accumulate);
-  p.norm_on = 1;
+  p.norm_on = half_only ? 2 : 1;
   p.norm_w = d_norm_w;
   p.norm_out = out;
   p.norm_part = d_part;
@@ -464,7 +502,7 @@ bool matmul_swiglu(const Matrix& w, const ActBuf& x, int n, int64_t ffn, int64_t
   MERLIN_CHECK(out.k == ffn && n <= out.n_cap, "matmul_swiglu: output buffer of ", out.k, " elements for ", ffn);
   MERLIN_CHECK(out.kind == ActKind::Q8_0 ? out.fq != nullptr : out.kind == ActKind::F32 || out.fhi != nullptr,
                "matmul_swiglu: the output needs its fragment planes (act_alloc makes them)");
-  MERLIN_CHECK(!x.rms_part || (n == x.rms_rows && reads_deferred_norm(w, n)),
+  MERLIN_CHECK(!x.rms_part || (n == x.rms_rows && reads_norm_of(x, w, n)),
                "matmul_swiglu: this product cannot read a deferred RMSNorm of ", x.rms_rows, " rows as ", n, " tokens");
   MERLIN_CHECK(!x.glu_src, "matmul_swiglu: a SwiGLU row (ActBuf::glu_src) is read by single-token products only");
   MmArgs p = product_args(w, x, n, nullptr, 0, w.rows, false);
@@ -485,7 +523,7 @@ void matmul(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, in
             Stream stream) {
   if (n <= 0) return;
   MERLIN_CHECK(x.kind == w.act() && x.k == w.k && n <= x.n_cap, "matmul: activation buffer does not fit the matrix");
-  MERLIN_CHECK(!x.rms_part || (n == x.rms_rows && (n == 1 || reads_deferred_norm(w, n))),
+  MERLIN_CHECK(!x.rms_part || (n == x.rms_rows && (n == 1 ? x.rms_block == 32 : reads_norm_of(x, w, n))),
                "matmul: this product cannot read a deferred RMSNorm (ActBuf::rms_part) of ", x.rms_rows, " rows as ", n,
                " tokens");
   MERLIN_CHECK(!x.glu_src || n == 1, "matmul: a SwiGLU row (ActBuf::glu_src) is read by single-token products only");
@@ -500,11 +538,12 @@ void matmul_argmax(const Matrix& w, const ActBuf& x, int n, int64_t n_out, unsig
                    Stream stream) {
   MERLIN_CHECK(matmul_argmax_fits(w, n), "matmul_argmax: F32 rows or fewer than two tokens");
   MERLIN_CHECK(x.kind == w.act() && x.k == w.k && n <= x.n_cap, "matmul_argmax: activation buffer does not fit");
-  MERLIN_CHECK(!x.rms_part || (n == x.rms_rows && reads_deferred_norm(w, n)),
+  MERLIN_CHECK(!x.rms_part || (n == x.rms_rows && reads_norm_of(x, w, n)),
                "matmul_argmax: this product cannot read a deferred RMSNorm of ", x.rms_rows, " rows as ", n, " tokens");
   MERLIN_CHECK(!x.glu_src, "matmul_argmax: a SwiGLU row (ActBuf::glu_src) is read by single-token products only");
   MmArgs p = product_args(w, x, n, nullptr, 0, n_out, false);
   p.argmax = d_keys;
+  p.argmax_pairs = argmax_pairs() ? 1 : 0;
   launch_product(w.fmt, p, stream);
 }
 
@@ -517,7 +556,7 @@ bool matmul_rope_kv(const Matrix& w, const ActBuf& x, int n, float* d_qkv, int64
                    r.v_off + r.kv_dim <= w.rows && ldy >= w.rows,
                "matmul_rope_kv: Q/K/V rows do not fit the matrix");
   if (w.fmt == kF32 || r.kv.q8) return false;
-  MERLIN_CHECK(!x.rms_part || (n == x.rms_rows && (n == 1 || reads_deferred_norm(w, n))),
+  MERLIN_CHECK(!x.rms_part || (n == x.rms_rows && (n == 1 ? x.rms_block == 32 : reads_norm_of(x, w, n))),
                "matmul_rope_kv: this product cannot read a deferred RMSNorm of ", x.rms_rows, " rows as ", n, " tokens");
   if (n == 1 && matvec1_rope_kv(w, x, d_qkv, r, stream)) {
     if (context_l2) *context_l2 = r.l2_positions > 0;

@@ -657,7 +657,8 @@ bool dispatch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out_rows, 
     MERLIN_CHECK(!x.rms_part && !x.glu_src, "matvec1: a row with a deferred RMSNorm or SwiGLU needs the single-token kernels");
     return false;
   }
-  MERLIN_CHECK(!x.rms_part || x.kind == ActKind::Q8_0, "matvec1: deferred RMSNorm on a non-Q8_0 row");
+  MERLIN_CHECK(!x.rms_part || (x.kind == ActKind::Q8_0 && x.rms_block == 32),
+               "matvec1: deferred RMSNorm on a non-Q8_0 row, or in sums per 16 outputs");
   MERLIN_CHECK(!x.glu_src || (matvec1_glu_fits(w) && !x.rms_part && !e.glu_out),
                "matvec1: a SwiGLU row for a product that cannot compute it while staging");
   const int64_t n_out = std::min(n_out_rows, w.rows);

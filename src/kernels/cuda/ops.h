@@ -69,7 +69,8 @@ struct ActBuf {
   // reads_deferred_norm).
   const double* rms_part = nullptr;
   float rms_eps = 0;
-  int rms_rows = 0;  // the tokens the producer wrote: a reader must take exactly these (1: row planes)
+  int rms_rows = 0;    // the tokens the producer wrote: a reader must take exactly these (1: row planes)
+  int rms_block = 32;  // outputs per sum of squares: 16 from matmul_norm's half-plane mode ([n][k / 16])
   // A single-token Q8_0 row not written at all: its values are silu(glu_src[i]) * glu_src[glu_offset + i] (the
   // gate/up product's output row), which the product computes and quantizes as prep_act(SwiGlu) would while
   // it stages its input (matvec1_glu_fits). Set only on the copy of the ActBuf handed to that product.
@@ -176,8 +177,19 @@ bool matvec1_norm(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, b
 // producer applies (not F32, n >= 2, n_out % 32 == 0); matmul_norm returns false (nothing queued) where not.
 bool matmul_norm_fits(const Matrix& w, int64_t n_out, int n);
 bool matmul_norm(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out, bool accumulate,
-                 const float* d_norm_w, ActBuf& out, double* d_part, Stream stream);
+                 const float* d_norm_w, ActBuf& out, double* d_part, Stream stream, bool half_only = false);
 bool reads_deferred_norm(const Matrix& w, int n);
+// The half-plane mode of matmul_norm (half_only): only y, out's half plane fh (y * w, unnormalised) and the
+// sums of squares per 16 outputs, d_part[t * n_out / 16 + tile], for readers that take the half plane
+// (reads_half_norm: the H kernels, which scale their sums by 1 / rms). Any warps per tile, so the product
+// keeps matmul()'s shape (the same y bits); n_out % 16 == 0. The reader's copy of out says rms_block = 16.
+// Its codes and block scales are not written: no other reader may take that copy.
+bool matmul_norm_half_fits(const Matrix& w, int64_t n_out, int n);
+bool reads_half_norm(const Matrix& w, int n);
+// Whether the backend folds that way: rows of up to 64 chunks (base's down product). H200, base tg128 x32 against
+// the previous choice (the separate RMSNorm kernel for Q4_0, the Q8_0 rows at 4 warps per tile for Q8_0): q4_0
+// +0.2 %, q8_0 +2.4 %; iphone q4_0 x32 (k = 12,288) -0.4 % (docs/BENCHMARKS.md, twenty-ninth session).
+bool matmul_norm_half_pays(const Matrix& w, int n);
 // Whether the backend folds with matmul_norm, per format and row length (chunks of 512 bytes per tile), as
 // measured on the H200. Its at most 4 warps per tile cover a row of up to 16 chunks (1,024 columns of Q4_0 /
 // MXFP4) in one round each; longer rows get twice the rounds per warp or more (macbook q4_0 x8 lost 6 %).
