@@ -103,7 +103,8 @@ __device__ __forceinline__ void tok_scales_of(const MmArgs& p, int tb, int first
 
 // The CTA's tok_scale: a warp per token (token warp + 8 j); the prologue's barrier orders them. (Measured and
 // dropped, twenty-ninth session: the last warp alone computing them where it has no chunks, the others
-// passing a named barrier at their first reduction: base q4_0 x32 -22 %.)
+// passing a named barrier at their first reduction: base q4_0 x32 -22 %, perhaps from the register pressure
+// of its 16 double accumulators; not checked.)
 template <int NT>
 __device__ __forceinline__ void tok_scales(const MmArgs& p, int tb, int warp, int lane, float* tok_scale) {
   constexpr int kPer = 8 * NT / kWarps > 0 ? 8 * NT / kWarps : 1;
