@@ -608,6 +608,13 @@ struct PagedCase {
       alone.push_back(prefill(*m, *b, s, 0, 0, true));
     }
   }
+  // A backend for the three sequences together, in n_blocks K/V blocks of block_size positions.
+  auto paged(int block_size, int n_blocks) const {
+    BackendOptions bo = opts_with(3, 32);
+    bo.kv_block_size = block_size;
+    bo.n_kv_blocks = n_blocks;
+    return make_backend("cuda", *m, bo);
+  }
 };
 
 TEST(CudaBackend, PagedBatchMatchesSeparateRuns) {
@@ -617,10 +624,7 @@ TEST(CudaBackend, PagedBatchMatchesSeparateRuns) {
   const size_t vocab = c.vocab;
   const auto& seqs = c.seqs;
   const auto& alone = c.alone;
-  BackendOptions bo = opts_with(3, 32);
-  bo.kv_block_size = 4;
-  bo.n_kv_blocks = 20;
-  auto paged = make_backend("cuda", *m, bo);
+  auto paged = c.paged(4, 20);
   EXPECT_EQ(paged->kv_block_size(), 4);
   EXPECT_EQ(paged->n_kv_blocks(), 20);
   EXPECT_EQ(paged->kv_block_bytes(), 2u * 2 * 4 * m->config().kv_dim() * 2);
@@ -656,19 +660,12 @@ TEST(CudaBackend, PagedBatchMatchesSeparateRuns) {
 TEST(CudaBackend, PagedBlocksOfThreePositionsMatchSeparateRuns) {
   REQUIRE_GPU();
   PagedCase c;
-  auto& m = c.m;
-  const size_t vocab = c.vocab;
-  const auto& seqs = c.seqs;
-  const auto& alone = c.alone;
-  BackendOptions bo = opts_with(3, 32);
-  bo.kv_block_size = 3;
-  bo.n_kv_blocks = 12;
-  auto paged = make_backend("cuda", *m, bo);
+  auto paged = c.paged(3, 12);
   EXPECT_EQ(paged->kv_block_size(), 3);
   paged->set_block_table(0, std::vector<int32_t>{9, 2, 6, 0});  // 10 positions
   paged->set_block_table(1, std::vector<int32_t>{11, 4});       // 5
   paged->set_block_table(2, std::vector<int32_t>{7});           // 3
   cuda::set_matmul_half(false);  // the int8 kernels, as the separate runs of 10, 5 and 3 tokens (above)
-  test::expect_batch_matches_alone(*paged, seqs, alone, vocab, 1e-6f);
+  test::expect_batch_matches_alone(*paged, c.seqs, c.alone, c.vocab, 1e-6f);
   cuda::set_matmul_half(true);
 }

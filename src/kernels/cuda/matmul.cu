@@ -260,10 +260,15 @@ int half_mode() {
 bool half_allowed(int f, int n) { return half_mode() != 0 && !g_half_off && nt4_capped() && h_built(f) && n > 16; }
 bool half_kernel(int f, int nt, int n) { return half_allowed(f, n) && (half_mode() == 2 || nt == 4); }
 
+// Token groups per CTA of a launch over `tiles` tiles (the test hook's forced value first).
+int launch_groups(int n, int64_t tiles, bool glu) {
+  if (g_nt_force > 0) return g_nt_force;
+  return glu ? glu_nt(n) : nt_for(n, tiles);
+}
+
 template <int F>
 void launch_fmt(const MmArgs& p, Stream stream, int64_t tiles) {
-  int nt = p.glu_on ? glu_nt(p.n) : nt_for(p.n, tiles);
-  if (g_nt_force > 0) nt = g_nt_force;
+  const int nt = launch_groups(p.n, tiles, p.glu_on != 0);
   if (p.xfh && !p.fuse_prep && half_kernel(F, nt, p.n)) {
     MmArgs h = p;
     h.half_x = 1;
@@ -429,9 +434,7 @@ static bool reads_norm_of(const ActBuf& x, const Matrix& w, int n) {
 }
 
 bool reads_half_norm(const Matrix& w, int n) {
-  int nt = nt_for(n, geometry(w.fmt, w.rows, w.k).tiles);
-  if (g_nt_force > 0) nt = g_nt_force;
-  return n >= 2 && h_built(w.fmt) && half_kernel(w.fmt, nt, n);
+  return n >= 2 && h_built(w.fmt) && half_kernel(w.fmt, launch_groups(n, geometry(w.fmt, w.rows, w.k).tiles, false), n);
 }
 
 bool matmul_norm_half_fits(const Matrix& w, int64_t n_out, int n) {

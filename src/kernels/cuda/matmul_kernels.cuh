@@ -74,13 +74,17 @@ __device__ __forceinline__ void run_item(const MmArgs& p, const XView& x, const 
 }
 
 // The H kernels' 1 / rms per token of the CTA from a deferred RMSNorm's sums of squares (tokens past n get 1:
-// their outputs are never written): tokens first + step j, j < kPer, each summed as deferred_inv_rms sums
-// (lane-strided, then a shuffle tree: the same bits), but with the loads of all kPer tokens issued together,
-// so the caller waits for one L2 round trip per 32 sums, not one per token (4 in a row at 32 tokens, before
-// the first product could start, when every warp took its tokens one after another).
-template <int NT, int kPer>
-__device__ __forceinline__ void tok_scales_of(const MmArgs& p, int tb, int first, int step, int lane,
-                                              float* tok_scale) {
+// their outputs are never written): a warp per token (token warp + 8 j), each summed as deferred_inv_rms sums
+// (lane-strided, then a shuffle tree: the same bits), but with the loads of all of a warp's tokens issued
+// together, so the prologue waits for one L2 round trip per 32 sums, not one per token (4 in a row at 32
+// tokens, before the first product could start, when each warp took its tokens one after another). The
+// prologue's barrier orders the writes. (Measured and dropped, twenty-ninth session: the last warp alone
+// computing them where it has no chunks, the others passing a named barrier at their first reduction: base
+// q4_0 x32 -22 %, perhaps from the register pressure of its 16 double accumulators; not checked.)
+template <int NT>
+__device__ __forceinline__ void tok_scales(const MmArgs& p, int tb, int warp, int lane, float* tok_scale) {
+  constexpr int kPer = 8 * NT / kWarps > 0 ? 8 * NT / kWarps : 1;
+  static_assert(8 * NT <= kWarps * kPer, "tok_scales: a warp's tokens");
   const int kb = p.rms_blocks;
   double ss[kPer];
 #pragma unroll
@@ -88,28 +92,17 @@ __device__ __forceinline__ void tok_scales_of(const MmArgs& p, int tb, int first
   for (int i = lane; i < kb; i += 32) {
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
-      const int tl = first + step * j;
+      const int tl = warp + kWarps * j;
       if (tl < 8 * NT && tb + tl < p.n) ss[j] += p.rms_part[(int64_t)(tb + tl) * kb + i];
     }
   }
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
-    const int tl = first + step * j;
+    const int tl = warp + kWarps * j;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss[j] += __shfl_xor_sync(0xffffffffu, ss[j], o);
     if (lane == 0 && tl < 8 * NT) tok_scale[tl] = tb + tl < p.n ? inv_rms(ss[j], p.k, p.rms_eps) : 1.f;
   }
-}
-
-// The CTA's tok_scale: a warp per token (token warp + 8 j); the prologue's barrier orders them. (Measured and
-// dropped, twenty-ninth session: the last warp alone computing them where it has no chunks, the others
-// passing a named barrier at their first reduction: base q4_0 x32 -22 %, perhaps from the register pressure
-// of its 16 double accumulators; not checked.)
-template <int NT>
-__device__ __forceinline__ void tok_scales(const MmArgs& p, int tb, int warp, int lane, float* tok_scale) {
-  constexpr int kPer = 8 * NT / kWarps > 0 ? 8 * NT / kWarps : 1;
-  static_assert(8 * NT <= kWarps * kPer, "tok_scales: a warp's tokens");
-  tok_scales_of<NT, kPer>(p, tb, warp, kWarps, lane, tok_scale);
 }
 
 // A persistent CTA over its items, groups of warps splitting each tile's k. Two rounds of registers alternate
@@ -152,15 +145,13 @@ __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
   // tables are written before the step's first kernel, never by a kernel (as the attention kernel relies on
   // too), so they may be read before the wait; the first reduction's barrier orders the shared writes.
   const bool rope_warp = !G && p.rope_on && warp == kWarps - 1 && lane < 8 * NT && tb + lane < p.n;
-  if (rope_warp && p.rope_early == 1) {
+  auto look_up_rope = [&] {
     const RopeTarget t = rope_target(p.rope, tb + lane);
     targets[lane] = RopeSlot{t.slot, t.cs};
-  }
+  };
+  if (rope_warp && p.rope_early == 1) look_up_rope();
   pdl_wait();
-  if (rope_warp && p.rope_early == 2) {
-    const RopeTarget t = rope_target(p.rope, tb + lane);
-    targets[lane] = RopeSlot{t.slot, t.cs};
-  }
+  if (rope_warp && p.rope_early == 2) look_up_rope();
   XView x{p.xfq, p.xfs, p.xfsum, p.xfhi, p.xflo, p.xfh, 0};
   const float* scale = nullptr;
   if constexpr (H) {
