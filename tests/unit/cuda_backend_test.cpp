@@ -595,6 +595,34 @@ TEST(CudaBackend, GraphReplayIsBitIdenticalToEager) {
   }
 }
 
+// The product kernels built for one epilogue kind (matmul.cu, pick_epilogue: the 8-token store and Glu
+// kernels, the H kernels' store and argmax) run the code paths of the kEpAny kernels: 32-token steps give the
+// same logits and greedy ids, bit for bit, with them off.
+TEST(CudaBackend, EpilogueInstancesAreBitIdentical) {
+  REQUIRE_GPU();
+  for (DType t : {DType::Q8_0, DType::Q4_0}) {
+    SCOPED_TRACE(dtype_name(t));
+    auto m = Model::load(Models::get().path(t));
+    const size_t vocab = (size_t)m->config().vocab_size;
+    auto run = [&](bool one_epilogue) {
+      cuda::set_matmul_epilogues(one_epilogue);
+      auto b = make_backend("cuda", *m, opts_with(1, 128));
+      Batch first, second;
+      for (int i = 0; i < 32; ++i) first.add(5 + 97 * i, i, 0, true);
+      for (int i = 0; i < 32; ++i) second.add(11 + 53 * i, 32 + i, 0, true);
+      std::vector<float> logits(32 * vocab);
+      b->forward(first, logits.data());
+      std::vector<int32_t> ids(32, -1);
+      b->forward_greedy(second, (int64_t)vocab, ids.data());
+      cuda::set_matmul_epilogues(true);
+      return std::make_pair(logits, ids);
+    };
+    const auto any = run(false), one = run(true);
+    EXPECT_EQ(std::memcmp(any.first.data(), one.first.data(), any.first.size() * sizeof(float)), 0);
+    EXPECT_EQ(any.second, one.second);
+  }
+}
+
 // Three sequences of 10, 5 and 3 tokens of the Q8_0 test model, each prefilled alone on its own backend: what
 // a paged batch of all three must reproduce (expect_batch_matches_alone).
 struct PagedCase {

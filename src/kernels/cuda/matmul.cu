@@ -14,6 +14,7 @@
 // keeps about 16 significant bits of the f32 activation instead of 8 or 11.
 #include <algorithm>
 #include <cstdlib>
+#include <initializer_list>
 #include <string>
 
 #include "core/sys.h"
@@ -83,6 +84,7 @@ int warps_per_tile(int64_t n_chunks, int64_t tiles, int64_t resident, int round)
 // Test hook (set_matmul_shape): warps per tile and tokens per CTA (NT) forced on every product, 0 = chosen.
 int g_split_force = 0, g_nt_force = 0;
 bool g_half_off = false;  // test hook (set_matmul_half)
+bool g_ep_off = false;    // test hook (set_matmul_epilogues)
 
 // Warps per tile of the Glu epilogue (matmul_swiglu): a set must hold a whole block of 32 gate rows and the
 // same rows of up (4 tiles), so at most 2. MERLIN_CUDA_GLU_MM_SPLIT=1 (read once) takes 1 (A/B timing).
@@ -107,10 +109,36 @@ bool exact_rounds(int f, int nt, const MmArgs& p) {
 // Most shared memory a CTA of the NT kernel may stage its activations in.
 size_t stage_limit(int nt) { return nt == 4 && nt4_capped() ? kStageMax[0] : kStageMax[nt_index(nt)]; }
 
+// The instances built for one epilogue kind (mm_kernel's E, Ep): the H kernels (base's QKV and head at 32
+// tokens, iphone's products) and the 8-token kernels of Q8_0 / Q4_0 (base's Wo, gate/up and down at 32
+// tokens); everything else runs kEpAny. They are 40-60 % of kEpAny's code (scripts/ptxas_regs.sh), and each
+// kernel of a step starts with a cold instruction cache. MERLIN_CUDA_MM_EP (read once) is a mask of where
+// they run (A/B timing; the same code paths, so the same bits): 1 RoPE, 2 argmax, 4 store (H kernels), 8
+// store (8-token kernels), 16 also the H kernels with rounds of 4 (long rows), 32 / 64 the 8-token Glu
+// kernels of Q4_0 / Q8_0; 0 keeps kEpAny everywhere. A fused preparation (opt-in) always takes kEpAny.
+// H200, base tg128 x32 (2026-12-02, docs/BENCHMARKS.md, thirtieth session): q4_0 87.3-88.4k t/s with 0,
+// 91.7-93.1k with 15, 93.5-94.3k with 47; q8_0 84.1-85.0k with 0, 89.5-90.8k with 15, 89.2-89.8k with
+// 15 | 64; iphone q4_0 x32 -3.1 % with 16 | 4 (its Wo / down), -0.7 % with 16 | 1: hence the default 47.
+constexpr bool ep_built(int f) { return f == kQ8_0 || f == kQ4_0; }
+int pick_epilogue(const MmArgs& p, int f) {
+  static const int mask = (int)env_int("MERLIN_CUDA_MM_EP", 47);
+  if (p.fuse_prep || g_ep_off) return kEpAny;
+  if (p.glu_on) return mask & (f == kQ4_0 ? 32 : 64) ? kEpStore : kEpAny;
+  const int e = p.rope_on ? kEpRope : p.argmax ? kEpArgmax : kEpStore;
+  const int bit = e == kEpRope ? 1 : e == kEpArgmax ? 2 : p.half_x ? 4 : 8;
+  if (!(mask & bit) || (p.half_x && p.round != 2 && !(mask & 16))) return kEpAny;
+  return e;
+}
+
 // The kernel variant of a launch: rounds of 2 (round_for: the capped 32-token kernel), exact rounds (X),
-// the register-capped 32-token kernel; G (the Glu epilogue) exists capped only (matmul_swiglu_fits).
+// the register-capped 32-token kernel; G (the Glu epilogue) exists capped only (matmul_swiglu_fits); e:
+// pick_epilogue's choice.
 template <int F, int NT, bool G>
-KernelFn pick_kernel(bool capped, bool x, int round) {
+KernelFn pick_kernel(bool capped, bool x, int round, int e) {
+  if constexpr (ep_built(F) && NT == 1) {
+    if (e == kEpStore) return x ? mm_kernel<F, 1, 2, true, kRound, G, 0, kEpStore>
+                                : mm_kernel<F, 1, 2, false, kRound, G, 0, kEpStore>;
+  }
   if constexpr (short_rounds_fmt(F) && NT == 4) {
     if (round == 2) return x ? mm_kernel<F, 4, 2, true, 2, G> : mm_kernel<F, 4, 2, false, 2, G>;
   }
@@ -144,18 +172,28 @@ int half_staging() {
 // of 2 (exact or checked) and of 4 (checked), with and without the Glu epilogue.
 constexpr bool h_built(int f) { return f == kQ8_0 || f == kQ4_0; }
 
+template <int F, bool G, int H, int E>
+KernelFn half_kernel_of(bool x, int round) {
+  if (round == 2) return x ? mm_kernel<F, 4, 2, true, 2, G, H, E> : mm_kernel<F, 4, 2, false, 2, G, H, E>;
+  return mm_kernel<F, 4, 2, false, kRound, G, H, E>;
+}
+
 template <int F, bool G, int H>
-KernelFn pick_half_kernel(bool x, int round) {
+KernelFn pick_half_kernel(bool x, int round, int e) {
   if constexpr (h_built(F)) {
-    if (round == 2) return x ? mm_kernel<F, 4, 2, true, 2, G, H> : mm_kernel<F, 4, 2, false, 2, G, H>;
-    return mm_kernel<F, 4, 2, false, kRound, G, H>;
+    if constexpr (!G) {
+      if (e == kEpRope) return half_kernel_of<F, G, H, kEpRope>(x, round);
+      if (e == kEpArgmax) return half_kernel_of<F, G, H, kEpArgmax>(x, round);
+      if (e == kEpStore) return half_kernel_of<F, G, H, kEpStore>(x, round);
+    }
+    return half_kernel_of<F, G, H, kEpAny>(x, round);
   }
   fail("matmul: no half-activation kernel for this format");
 }
 
 template <int F, bool G>
-KernelFn pick_half_kernel(bool x, int round, bool staged) {
-  return staged ? pick_half_kernel<F, G, 2>(x, round) : pick_half_kernel<F, G, 1>(x, round);
+KernelFn pick_half_kernel(bool x, int round, bool staged, int e) {
+  return staged ? pick_half_kernel<F, G, 2>(x, round, e) : pick_half_kernel<F, G, 1>(x, round, e);
 }
 
 // How the RoPE epilogue finds each token's K/V slot and cos / sin row (MmArgs::rope_early) when the CTA's
@@ -207,11 +245,12 @@ void launch_nt(MmArgs p, Stream stream, int64_t tiles) {
   if (h && half_staging() == -1 && sets <= resident) p.stage_x = 0;  // one tile set per CTA: not worth a stage
   if (p.rope_on) p.rope_early = rope_mode(((kWarps - 1) & (p.split - 1)) * p.round >= p.n_chunks);
   const bool in_smem = p.stage_x != 0;
-  KernelFn kernel = p.glu_on ? pick_kernel<F, NT, true>(capped, x, p.round)  //
-                             : pick_kernel<F, NT, false>(capped, x, p.round);
+  const int e = pick_epilogue(p, F);
+  KernelFn kernel = p.glu_on ? pick_kernel<F, NT, true>(capped, x, p.round, e)  //
+                             : pick_kernel<F, NT, false>(capped, x, p.round, e);
   if (h)
-    kernel = p.glu_on ? pick_half_kernel<F, true>(x, p.round, in_smem)  //
-                      : pick_half_kernel<F, false>(x, p.round, in_smem);
+    kernel = p.glu_on ? pick_half_kernel<F, true>(x, p.round, in_smem, e)  //
+                      : pick_half_kernel<F, false>(x, p.round, in_smem, e);
   launch_pdl(kernel, grid, kWarps * 32, p.stage_x ? staged : 0, stream, p);
 }
 
@@ -282,6 +321,12 @@ void launch_fmt(const MmArgs& p, Stream stream, int64_t tiles) {
   }
 }
 
+// The most dynamic shared memory each of `kernels` may take.
+void allow_smem(std::initializer_list<KernelFn> kernels, size_t bytes) {
+  for (const KernelFn k : kernels)
+    MERLIN_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+}
+
 // Shared-memory limit and resident CTAs per SM of one kernel variant (index: nt index, or 3 = capped).
 template <int F, int NT, int MinBlocks, bool X, int R = kRound>
 void prepare_variant(int index, size_t stage_max) {
@@ -297,6 +342,10 @@ void prepare_kernel() {
   constexpr int ni = nt_index(NT);
   prepare_variant<F, NT, NT == 4 ? 1 : 2, false>(ni, kStageMax[ni]);
   if constexpr (x_built<NT, kRound>(F)) prepare_variant<F, NT, NT == 4 ? 1 : 2, true>(ni, kStageMax[ni]);
+  if constexpr (ep_built(F) && NT == 1)  // pick_kernel's kEpStore instances (the residency of kEpAny's)
+    allow_smem({mm_kernel<F, 1, 2, false, kRound, false, 0, kEpStore>,  //
+                mm_kernel<F, 1, 2, true, kRound, false, 0, kEpStore>},
+               kStageMax[ni]);
 }
 
 // The Glu epilogue's variants (pick_kernel with G): their shared-memory limits; their residency is taken as
@@ -309,6 +358,10 @@ void allow_glu_variant(size_t stage_max) {
 
 template <int F>
 void allow_glu() {
+  if constexpr (ep_built(F))  // pick_kernel's kEpStore instances
+    allow_smem({mm_kernel<F, 1, 2, false, kRound, true, 0, kEpStore>,  //
+                mm_kernel<F, 1, 2, true, kRound, true, 0, kEpStore>},
+               kStageMax[0]);
   allow_glu_variant<F, 1, 2, false>(kStageMax[0]);
   allow_glu_variant<F, 2, 2, false>(kStageMax[1]);
   allow_glu_variant<F, 4, 2, false>(kStageMax[0]);
@@ -325,8 +378,11 @@ void allow_glu() {
 
 template <int F, int MinBlocks, bool X, int R, bool G>
 void allow_half_variant() {
-  MERLIN_CUDA_CHECK(cudaFuncSetAttribute(mm_kernel<F, 4, MinBlocks, X, R, G, 2>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kStageMax[0]));
+  allow_smem({mm_kernel<F, 4, MinBlocks, X, R, G, 2>}, kStageMax[0]);
+  if constexpr (!G)  // pick_half_kernel's one-epilogue instances
+    allow_smem({mm_kernel<F, 4, MinBlocks, X, R, G, 2, kEpRope>, mm_kernel<F, 4, MinBlocks, X, R, G, 2, kEpArgmax>,
+                mm_kernel<F, 4, MinBlocks, X, R, G, 2, kEpStore>},
+               kStageMax[0]);
 }
 
 template <int F>
@@ -474,6 +530,8 @@ bool matmul_norm(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ld
 bool matmul_half_pays(const Matrix& w, int n) { return half_allowed(w.fmt, n); }
 
 void set_matmul_half(bool on) { g_half_off = !on; }
+
+void set_matmul_epilogues(bool on) { g_ep_off = !on; }
 
 void set_matmul_shape(int split, int nt) {
   g_split_force = split == 1 || split == 2 || split == 4 || split == 8 ? split : 0;

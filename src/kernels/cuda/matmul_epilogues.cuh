@@ -7,6 +7,20 @@
 namespace merlin::cuda {
 namespace {
 
+// The epilogues a kernel instance can run (mm_kernel's E): kEpAny decides from MmArgs at run time (rope_on,
+// argmax, norm_on); the others are built for one kind of product, so that the dead epilogues take no
+// registers or code from the instance (the whole kernel is allocated for its most demanding path, its
+// k-loop's rounds in flight included: docs/GPU.md, "Epilogue instances"). kEpStore: y = or y += the product,
+// with or without the next RMSNorm's input (norm_on, still read at run time); with G, the Glu epilogue. Only
+// kEpAny instances hold the fused preparation (stage_prep, MmArgs::fuse_prep).
+enum Ep : int { kEpAny = 0, kEpRope = 1, kEpArgmax = 2, kEpStore = 3 };
+template <int E>
+__device__ __forceinline__ bool ep_rope(const MmArgs& p) { return E == kEpAny ? p.rope_on != 0 : E == kEpRope; }
+template <int E>
+__device__ __forceinline__ bool ep_argmax(const MmArgs& p) { return E == kEpAny ? p.argmax != nullptr : E == kEpArgmax; }
+template <int E>
+__device__ __forceinline__ int ep_norm(const MmArgs& p) { return E == kEpAny || E == kEpStore ? p.norm_on : 0; }
+
 // Sum of a tile's partials (warps grp * split .. + split - 1) of element (i, ln), in warp order: every
 // epilogue sums a tile in this order, so they all see the bits the plain product writes to y. The partials
 // load four at a time and add in order: one at a time (a chain of dependent shared loads) cost iphone q4_0
@@ -167,14 +181,14 @@ struct RopeSlot {
 // best once per set, after a shuffle over the 8 lanes of each token, instead of a contended 64-bit shared
 // atomic (a CAS loop) per element. One loop per epilogue kind (uniform): the keys are live only in the
 // argmax loop. (Before: ~130 instructions per element in the head, half of its 13.4M; ncu, BENCHMARKS.md.)
-template <int NT>
+template <int NT, int E>
 __device__ __forceinline__ void reduce_plain(const MmArgs& p, int64_t tile0, int tb, int warp, int lane,
                                              float (*red)[NT * 4][32], unsigned long long* best,
                                              const RopeSlot* targets) {
   constexpr bool kTwoSlots = NT * 4 > kWarps;  // NT = 4: i = warp on even passes, warp + 8 on odd ones
   static_assert(NT * 4 <= 2 * kWarps, "reduce_plain: at most two argmax slots per thread");
   const int elems = (kWarps >> p.split_log2) * NT * 4, gg = lane >> 2, tt = lane & 3;
-  if (p.rope_on) {  // the RoPE partner r ^ 1 is the same element of lane ln ^ 4, summed in the same order
+  if (ep_rope<E>(p)) {  // the RoPE partner r ^ 1 is the same element of lane ln ^ 4, summed in the same order
     for (int q = warp; q < elems; q += kWarps) {
       const SetElem e = set_elem<NT>(q, tile0, tb, lane);
       if (e.r >= p.n_out || e.tok >= p.n) continue;
@@ -190,7 +204,7 @@ __device__ __forceinline__ void reduce_plain(const MmArgs& p, int64_t tile0, int
     }
     return;
   }
-  if (!p.argmax) {
+  if (!ep_argmax<E>(p)) {
     for (int q = warp; q < elems; q += kWarps) {
       const SetElem e = set_elem<NT>(q, tile0, tb, lane);
       if (e.r >= p.n_out || e.tok >= p.n) continue;
@@ -297,8 +311,9 @@ __device__ __forceinline__ void reduce_argmax_pair(const MmArgs& p, int64_t tile
 }
 
 // Whether reduce_argmax_pair runs the argmax epilogue (uniform over the CTA).
+template <int E>
 __device__ __forceinline__ bool argmax_in_pairs(const MmArgs& p) {
-  return p.argmax && p.argmax_pairs && p.split_log2 <= 1;
+  return ep_argmax<E>(p) && p.argmax_pairs && p.split_log2 <= 1;
 }
 
 // The owning warps' slots at the end of the CTA's sets: each token column's best over the 8 lanes that hold
@@ -322,13 +337,13 @@ __device__ __forceinline__ void finish_argmax_slots(const MmArgs& p, int warp, i
 // the outputs; group j of the CTA holds tile tile0 + j (with glu_on, reduce_glu's tiles of set `set`).
 // tok_scale (H kernels reading a deferred RMSNorm, else null): per token of the CTA, the factor 1 / rms
 // that its staged halves still lack; the partial sums take it before they meet (the sum is linear in x).
-template <int NT, bool G>
+template <int NT, bool G, int E>
 __device__ __forceinline__ void reduce_tiles(const MmArgs& p, int set, int64_t tile0, int tb, int warp, int lane,
                                              const float (&acc)[NT][4], float (*red)[NT * 4][32],
                                              unsigned long long* best, const float* tok_scale,
                                              const RopeSlot* targets) {
   if constexpr (!G) {
-    if (argmax_in_pairs(p)) return reduce_argmax_pair<NT>(p, tile0, warp, lane, acc, red, tok_scale);
+    if (argmax_in_pairs<E>(p)) return reduce_argmax_pair<NT>(p, tile0, warp, lane, acc, red, tok_scale);
   }
   if (tok_scale) {  // lane 4 g + t's tokens: 8 nt + 2 t and 8 nt + 2 t + 1
 #pragma unroll
@@ -345,9 +360,9 @@ __device__ __forceinline__ void reduce_tiles(const MmArgs& p, int set, int64_t t
   }
   __syncthreads();
   if constexpr (G) reduce_glu<NT>(p, set, tb, warp, lane, red);
-  else if (p.norm_on == 2) reduce_norm_half<NT>(p, tile0, tb, warp, lane, red);
-  else if (p.norm_on) reduce_norm<NT>(p, tile0, tb, warp, lane, red);
-  else reduce_plain<NT>(p, tile0, tb, warp, lane, red, best, targets);
+  else if (ep_norm<E>(p) == 2) reduce_norm_half<NT>(p, tile0, tb, warp, lane, red);
+  else if (ep_norm<E>(p)) reduce_norm<NT>(p, tile0, tb, warp, lane, red);
+  else reduce_plain<NT, E>(p, tile0, tb, warp, lane, red, best, targets);
   __syncthreads();  // red is reused by the next tiles
 }
 

@@ -55,7 +55,7 @@ struct Cursor {
 // Item i at cursor c: requests item i + 1 into `next`, computes `cur`, reduces the tiles after their last
 // round, and moves c on.
 // With X a round past the end of k (a warp whose share of a short row ends early) is skipped whole.
-template <int F, int R, int NT, bool X, bool G, int H>
+template <int F, int R, int NT, bool X, bool G, int H, int E>
 __device__ __forceinline__ void run_item(const MmArgs& p, const XView& x, const Items<G>& it, int i, Cursor& c,
                                          const Round<F, R>& cur, Round<F, R>& next, int tb, int warp, int lane,
                                          float (&acc)[NT][4], float (*red)[NT * 4][32], unsigned long long* best,
@@ -66,7 +66,7 @@ __device__ __forceinline__ void run_item(const MmArgs& p, const XView& x, const 
   if (c.live(p, it) && (!X || c.chunk(it) < p.n_chunks))
     compute_round<F, R, NT, X, H>(p, x, cur, c.chunk(it), tb, lane >> 2, lane & 3, acc);
   if (c.r == it.rounds - 1) {
-    reduce_tiles<NT, G>(p, c.set, (int64_t)c.set * it.groups, tb, warp, lane, acc, red, best, tok_scale, targets);
+    reduce_tiles<NT, G, E>(p, c.set, (int64_t)c.set * it.groups, tb, warp, lane, acc, red, best, tok_scale, targets);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
   }
@@ -118,9 +118,10 @@ __device__ __forceinline__ void tok_scales(const MmArgs& p, int tb, int warp, in
 // with MERLIN_CUDA_NT4_CAP=0 for A/B timing. R: chunks per round (p.round), 4 or 2 (short_rounds_fmt).
 // G: the Glu epilogue (matmul_swiglu, reduce_glu); y is not written. H: half activations (half_operand), 1
 // read from global memory, 2 staged in shared memory: a template value rather than p.stage_x, so that the
-// compiler sees the staged plane's pointer come from shared memory only and loads it with ld.shared.
+// compiler sees the staged plane's pointer come from shared memory only and loads it with ld.shared. E: the
+// epilogues built in (Ep: any, or one kind; pick_epilogue in matmul.cu).
 template <int F, int NT, int MinBlocks = NT == 4 ? 1 : 2, bool X = false, int R = kRound, bool G = false,
-          int H = 0>
+          int H = 0, int E = kEpAny>
 __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ __align__(16) float red[kWarps][NT * 4][32];
@@ -130,7 +131,7 @@ __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int tb = blockIdx.y * 8 * NT;
   if (threadIdx.x < 8 * NT) best[threadIdx.x] = 0ull;
-  if (!G && argmax_in_pairs(p)) {  // each owning lane's slots (reduce_argmax_pair); nothing else uses red yet
+  if (!G && argmax_in_pairs<E>(p)) {  // each owning lane's slots (reduce_argmax_pair); nothing else uses red yet
     unsigned long long* slots = argmax_slots<NT>(red, warp);
     for (int s = 0; s < 2 * NT; ++s) slots[s * 32 + lane] = 0ull;
   }
@@ -144,7 +145,7 @@ __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
   // by the last warp, not per element after the k-loop (MmArgs::rope_early). Positions, sequences and block
   // tables are written before the step's first kernel, never by a kernel (as the attention kernel relies on
   // too), so they may be read before the wait; the first reduction's barrier orders the shared writes.
-  const bool rope_warp = !G && p.rope_on && warp == kWarps - 1 && lane < 8 * NT && tb + lane < p.n;
+  const bool rope_warp = !G && ep_rope<E>(p) && warp == kWarps - 1 && lane < 8 * NT && tb + lane < p.n;
   auto look_up_rope = [&] {
     const RopeTarget t = rope_target(p.rope, tb + lane);
     targets[lane] = RopeSlot{t.slot, t.cs};
@@ -162,23 +163,23 @@ __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
     if constexpr (H == 2) x = stage_x<F, true>(p, tb, min(8 * NT, p.n - tb), smem);
     else __syncthreads();
   } else {
-    if (p.fuse_prep) x = stage_prep<F>(p, tb, min(8 * NT, p.n - tb), smem);
+    if (E == kEpAny && p.fuse_prep) x = stage_prep<F>(p, tb, min(8 * NT, p.n - tb), smem);
     else if (p.stage_x) x = stage_x<F>(p, tb, min(8 * NT, p.n - tb), smem);
   }
   float acc[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
   for (int i = 0; i < it.n; i += 2) {
-    run_item<F, R, NT, X, G, H>(p, x, it, i, c, ra, rb, tb, warp, lane, acc, red, best, scale, targets);
+    run_item<F, R, NT, X, G, H, E>(p, x, it, i, c, ra, rb, tb, warp, lane, acc, red, best, scale, targets);
     if (i + 1 < it.n)
-      run_item<F, R, NT, X, G, H>(p, x, it, i + 1, c, rb, ra, tb, warp, lane, acc, red, best, scale, targets);
+      run_item<F, R, NT, X, G, H, E>(p, x, it, i + 1, c, rb, ra, tb, warp, lane, acc, red, best, scale, targets);
   }
-  if (!G && argmax_in_pairs(p)) {  // no CTA barrier since the zeros of best: one before, one after
+  if (!G && argmax_in_pairs<E>(p)) {  // no CTA barrier since the zeros of best: one before, one after
     __syncthreads();
     finish_argmax_slots<NT>(p, warp, lane, red, best);
     __syncthreads();
   }
-  if (p.argmax && threadIdx.x < 8 * NT && tb + (int)threadIdx.x < p.n && best[threadIdx.x] != 0ull)
+  if (ep_argmax<E>(p) && threadIdx.x < 8 * NT && tb + (int)threadIdx.x < p.n && best[threadIdx.x] != 0ull)
     atomicMax(p.argmax + tb + threadIdx.x, best[threadIdx.x]);  // reduce_tiles ended with a barrier
 }
 

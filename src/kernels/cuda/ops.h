@@ -222,6 +222,9 @@ bool matmul_swiglu_pays(const Matrix& w, int n);
 bool matmul_half_pays(const Matrix& w, int n);
 // Tests: false keeps every product on the int8 kernels (matmul_half_pays answers false); true restores the rule.
 void set_matmul_half(bool on);
+// Tests: false runs every batched product on its kEpAny kernel (all epilogues built in); true restores the
+// one-epilogue instances (matmul.cu, pick_epilogue), which must give the same bits.
+void set_matmul_epilogues(bool on);
 // Tests: forces the warps per tile (1, 2, 4, 8) and the token groups per CTA (1, 2, 4) of every batched
 // product (clamped where an epilogue needs fewer warps per tile); 0 restores the choice per matrix.
 void set_matmul_shape(int split, int nt);
