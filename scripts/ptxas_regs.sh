@@ -9,8 +9,9 @@
 # cores) and prints every kernel whose registers, spill bytes or SASS bytes (its .text section in the cubin)
 # differ, then the kernels that spill in the working tree. Code size matters as much as registers here: each
 # kernel of a decode step starts with a cold instruction cache, and the 32-token kernels that carried every
-# epilogue (~100 KB of SASS each) ran 4-8 % slower than one-epilogue instances of 40-80 KB. Kernel names lose their anonymous-namespace hash, so the two builds' names match; a kernel
-# that gained a trailing template parameter is compared with the revision's kernel without it.
+# epilogue (~100 KB of SASS each) ran 6-7 % slower than one-epilogue instances of 40-60 KB. Kernel names
+# lose their anonymous-namespace hash, so the two builds' names match; a kernel that gained a trailing
+# template parameter is compared with the revision's kernel without it.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 REV=${1:-HEAD}

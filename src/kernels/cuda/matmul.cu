@@ -342,10 +342,18 @@ void prepare_kernel() {
   constexpr int ni = nt_index(NT);
   prepare_variant<F, NT, NT == 4 ? 1 : 2, false>(ni, kStageMax[ni]);
   if constexpr (x_built<NT, kRound>(F)) prepare_variant<F, NT, NT == 4 ? 1 : 2, true>(ni, kStageMax[ni]);
-  if constexpr (ep_built(F) && NT == 1)  // pick_kernel's kEpStore instances (the residency of kEpAny's)
-    allow_smem({mm_kernel<F, 1, 2, false, kRound, false, 0, kEpStore>,  //
-                mm_kernel<F, 1, 2, true, kRound, false, 0, kEpStore>},
-               kStageMax[ni]);
+}
+
+// pick_kernel's 8-token kEpStore instances, plain and Glu: their shared-memory limits (their residency is
+// taken as the kEpAny instance's, which has the same register cap).
+template <int F>
+void allow_store_instances() {
+  if constexpr (ep_built(F))
+    allow_smem({mm_kernel<F, 1, 2, false, kRound, false, 0, kEpStore>,
+                mm_kernel<F, 1, 2, true, kRound, false, 0, kEpStore>,
+                mm_kernel<F, 1, 2, false, kRound, true, 0, kEpStore>,
+                mm_kernel<F, 1, 2, true, kRound, true, 0, kEpStore>},
+               kStageMax[nt_index(1)]);
 }
 
 // The Glu epilogue's variants (pick_kernel with G): their shared-memory limits; their residency is taken as
@@ -358,10 +366,6 @@ void allow_glu_variant(size_t stage_max) {
 
 template <int F>
 void allow_glu() {
-  if constexpr (ep_built(F))  // pick_kernel's kEpStore instances
-    allow_smem({mm_kernel<F, 1, 2, false, kRound, true, 0, kEpStore>,  //
-                mm_kernel<F, 1, 2, true, kRound, true, 0, kEpStore>},
-               kStageMax[0]);
   allow_glu_variant<F, 1, 2, false>(kStageMax[0]);
   allow_glu_variant<F, 2, 2, false>(kStageMax[1]);
   allow_glu_variant<F, 4, 2, false>(kStageMax[0]);
@@ -400,6 +404,7 @@ void allow_half() {
 template <int F>
 void allow_staging() {
   allow_glu<F>();
+  allow_store_instances<F>();
   allow_half<F>();
   prepare_kernel<F, 1>();
   prepare_kernel<F, 2>();

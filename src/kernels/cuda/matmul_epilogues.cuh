@@ -8,8 +8,8 @@ namespace merlin::cuda {
 namespace {
 
 // The epilogues a kernel instance can run (mm_kernel's E): kEpAny decides from MmArgs at run time (rope_on,
-// argmax, norm_on); the others are built for one kind of product, so that the dead epilogues take no
-// registers or code from the instance (the whole kernel is allocated for its most demanding path, its
+// argmax, norm_on); the others are built for one kind of product, so that the dead epilogues take no code
+// from the instance (40-60 % of kEpAny's SASS; a kernel also gets registers for its most demanding path, the
 // k-loop's rounds in flight included: docs/GPU.md, "Epilogue instances"). kEpStore: y = or y += the product,
 // with or without the next RMSNorm's input (norm_on, still read at run time); with G, the Glu epilogue. Only
 // kEpAny instances hold the fused preparation (stage_prep, MmArgs::fuse_prep).
