@@ -390,9 +390,9 @@ TEST(CudaAttention, EmitsTheProductInputOfAPlainPreparation) {
   EXPECT_FALSE(cu::attention_emits(cu::ActKind::Q8_K, 64));
 }
 
-// Decode steps whose positions all lie below attention_one_pass_positions launch the kernel's plain instance
-// (cuda::attention's one_pass, the backend's kAttnOnePass graphs); a decode grid otherwise gets the hoisted
-// one. Both must give the same bits, or a sequence's tokens would depend on the longest context beside it.
+// Decode steps whose positions all lie below attention_one_pass_positions launch the kernel's one-pass
+// instance (cuda::attention's one_pass, the backend's kAttnOnePass graphs; the plain instance with
+// MERLIN_CUDA_ATTN_LEAN=0); a decode grid otherwise gets the hoisted one. Both must give the same bits, or a sequence's tokens would depend on the longest context beside it.
 TEST(CudaAttention, OnePassLaunchMatchesTheHoistedOne) {
   REQUIRE_GPU();
   for (int kind : {0, 1, 2}) {  // f16, f32, Q8_0 cache

@@ -623,6 +623,41 @@ TEST(CudaBackend, EpilogueInstancesAreBitIdentical) {
   }
 }
 
+// The single-token products' lean instances (one epilogue, one staging) and the general ones run the same
+// code paths: 24 single-token steps (RoPE, the folded RMSNorms, the SwiGLU staging, the argmax head) give the
+// same logits and greedy ids with either.
+TEST(CudaBackend, LeanSingleTokenInstancesAreBitIdentical) {
+  REQUIRE_GPU();
+  for (DType t : {DType::Q8_0, DType::Q4_0, DType::MXFP4, DType::Q4_K, DType::TQ2_0}) {
+    SCOPED_TRACE(dtype_name(t));
+    auto m = Model::load(Models::get().path(t));
+    const size_t vocab = (size_t)m->config().vocab_size;
+    auto run = [&](int mask) {
+      cuda::set_matvec1_instances(mask);
+      auto b = make_backend("cuda", *m, opts_with(1, 64));
+      std::vector<float> logits;
+      for (int i = 0; i < 12; ++i) {
+        auto row = prefill(*m, *b, {(int32_t)(7 + 131 * i)}, 0, i, false);
+        logits.insert(logits.end(), row.begin(), row.end());
+      }
+      std::vector<int32_t> ids;
+      int32_t next = 42;
+      for (int i = 12; i < 24; ++i) {
+        Batch one;
+        one.add(next, i, 0, true);
+        b->forward_greedy(one, (int64_t)vocab, &next);
+        ids.push_back(next);
+      }
+      cuda::set_matvec1_instances(-1);
+      return std::make_pair(logits, ids);
+    };
+    const auto general = run(0), lean = run(127);
+    ASSERT_EQ(general.first.size(), 12 * vocab);
+    EXPECT_EQ(std::memcmp(general.first.data(), lean.first.data(), general.first.size() * sizeof(float)), 0);
+    EXPECT_EQ(general.second, lean.second);
+  }
+}
+
 // Three sequences of 10, 5 and 3 tokens of the Q8_0 test model, each prefilled alone on its own backend: what
 // a paged batch of all three must reproduce (expect_batch_matches_alone).
 struct PagedCase {

@@ -569,8 +569,11 @@ __device__ __forceinline__ void write_out(float* o, ActBuf qo, int t, int h, int
 // Grid (head, token, split). A context of at most sp.chunk positions (or an unsplit launch) is done whole by
 // split 0, exactly as without splits; a longer one is cut into chunks of sp.chunk positions, one per split,
 // and splits starting past its end exit. n_scores: the shared score buffer's length. The unsplit launch has
-// its own instance (Split = false) so that the split bookkeeping costs it no registers.
-template <int KV, bool Split, bool Hoist>
+// its own instance (Split = false) so that the split bookkeeping costs it no registers. OnePass: an unsplit,
+// unhoisted instance for steps whose every context fits one pass (the host's one_pass): only the one pass and
+// the output, without the general passes' code (the same bits: a one-pass context is whole and takes the one
+// pass in the other instances too).
+template <int KV, bool Split, bool Hoist, bool OnePass = false>
 __global__ void __launch_bounds__(kAttnThreads) attention_kernel(const float* qkv, int64_t ld, const int32_t* d_pos,
                                                                  const int32_t* d_seq, int n_heads, int n_kv_heads,
                                                                  int hd, int n_scores, KvArgs kv, float* out,
@@ -594,7 +597,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_kernel(const float* qk
   const Rows r = make_rows(seq, kvh, n_kv_heads, hd);
   constexpr int kSlots = one_pass_slots<KV, Hoist>();
   const FirstSlots<kSlots> fs = first_slots<kSlots>(kv, r, p0, p1);
-  if (sp.l2) prefetch_context<KV>(kv, r, fs, p0, p1, hd);
+  if (!OnePass && sp.l2) prefetch_context<KV>(kv, r, fs, p0, p1, hd);
   pdl_wait();
   float qr[8];
   if (r.active) {  // this lane's 8 dims of q, straight from the QKV product's output (16-byte aligned rows)
@@ -608,6 +611,13 @@ __global__ void __launch_bounds__(kAttnThreads) attention_kernel(const float* qk
     for (int j = 0; j < 8; ++j) qr[j] = 0.f;
   }
   const float scale = 1.0f / sqrtf((float)hd);
+  if constexpr (OnePass) {
+    static_assert(!Split && !Hoist, "the one-pass instance is unsplit and unhoisted");
+    if (!fits_one_pass<KV>(r, n_pos)) __trap();  // the host launches it for one-pass contexts only
+    const float v = attend_one_pass<KV, pos_unroll<KV>()>(kv, r, fs, qr, scale, n_pos, hd, red, part);
+    write_out(out + (int64_t)t * n_heads * hd + h * hd, qo, t, h, hd, v);
+    return;
+  }
   if (whole && fits_one_pass<KV>(r, n_pos)) {
     const float v = attend_one_pass<KV, pos_unroll<KV>()>(kv, r, fs, qr, scale, n_pos, hd, red, part);
     write_out(out + (int64_t)t * n_heads * hd + h * hd, qo, t, h, hd, v);
@@ -675,6 +685,10 @@ const AttentionKernel kAttentionKernels[3][2][2] = {
      {kernel_for<kKvF16>(true, false), kernel_for<kKvF16>(true, true)}},
     {{kernel_for<kKvQ8>(false, false), kernel_for<kKvQ8>(false, true)},
      {kernel_for<kKvQ8>(true, false), kernel_for<kKvQ8>(true, true)}}};
+// [cache kind]
+const AttentionKernel kOnePassKernels[3] = {attention_kernel<kKvF32, false, false, true>,
+                                            attention_kernel<kKvF16, false, false, true>,
+                                            attention_kernel<kKvQ8, false, false, true>};
 
 }  // namespace
 
@@ -685,6 +699,8 @@ void attention_prepare(int n_ctx) {
     for (const auto& by_hoist : by_split)
       for (auto kernel : by_hoist)
         MERLIN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  for (auto kernel : kOnePassKernels)
+    MERLIN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   MERLIN_CUDA_CHECK(cudaFuncSetAttribute(rope_kv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)kRopeKvSmemMax));
 }
@@ -746,7 +762,13 @@ void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32
                  "attention scratch sized for another shape");
   SplitArgs sp = split ? SplitArgs{scratch->partial, scratch->counter, scratch->chunk}
                        : SplitArgs{nullptr, nullptr, n_ctx};
-  const int n_scores = split ? scratch->chunk : n_ctx;
+  // One-pass steps of up to MERLIN_CUDA_ATTN_LEAN tokens (read once, default 8) take the one-pass instance,
+  // larger ones the plain instance. H200 tg128 (2026-12-02), plain / one-pass instance: base q4_0 x1
+  // 4,778 / 4,942 t/s, x8 24,440 / 25,400, x32 93.4k / 91.4-92.0k (hence not for 32 tokens); mxfp4 x1
+  // 4,136 / 4,284; q8_0 x1 4,512 / 4,513.
+  static const long lean_max = env_int("MERLIN_CUDA_ATTN_LEAN", 8);
+  const bool lean = one_pass && !split && n <= lean_max;
+  const int n_scores = lean ? 0 : split ? scratch->chunk : n_ctx;
   const dim3 grid((unsigned)n_heads, (unsigned)n, split ? (unsigned)scratch->n_split : 1u);
   const size_t smem = attention_smem(n_scores, head_dim);
   // Hoisting pass 2's first V rows costs about 40 registers (2 CTAs per SM instead of 3): only for grids that
@@ -776,7 +798,7 @@ void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32
   // iphone q4_0 1,222 / 1,227).
   sp.l2 = l2_on && hoist && !context_l2 && (kind != kKvQ8 || head_dim % 16 == 0) ? 1 : 0;
   sp.wide = wide_on ? 1 : 0;
-  const auto kernel = kAttentionKernels[kind][split][hoist];
+  const auto kernel = lean ? kOnePassKernels[kind] : kAttentionKernels[kind][split][hoist];
   ActBuf qo;  // kind F32: no second output
   if (out_act) {
     MERLIN_CHECK(attention_emits(out_act->kind, head_dim) && out_act->k == (int64_t)n_heads * head_dim &&

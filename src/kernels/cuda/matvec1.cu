@@ -58,7 +58,7 @@ __device__ __forceinline__ float deferred_rms(const Mv1Args& p) {
 // Only formats that read Q8_0 rows (Q4_K and TQ2_0 read Q8_K: the host never defers their norm, and the
 // dead branch made ptxas spill in TQ2_0's kernel).
 template <int F>
-__device__ __forceinline__ constexpr bool reads_q8_0() { return F == kQ8_0 || F == kQ4_0 || F == kMXFP4; }
+__host__ __device__ constexpr bool reads_q8_0() { return F == kQ8_0 || F == kQ4_0 || F == kMXFP4; }
 
 // A block scale as staged: with a deferred RMSNorm times 1 / rms, rounded to half.
 template <int F>
@@ -138,11 +138,13 @@ __device__ __forceinline__ void stage_glu(const Mv1Args& p, uint8_t* sm) {
 
 // The thread's first step is requested before the deferred norm's sums of squares, so that the two L2 round
 // trips overlap instead of following each other (rows of up to W * 32 blocks, every row here but the
-// longest, have no other step).
-template <int F, int W>
+// longest, have no other step). G: the row is SwiGLU of p.glu_src (stage_glu), in the instances built for it;
+// Gen: whichever p.glu_src says (the general instances).
+template <int F, int W, bool G, bool Gen>
 __device__ __forceinline__ void stage_x(const Mv1Args& p, uint8_t* sm) {
-  if constexpr (reads_q8_0<F>()) {
-    if (p.glu_src) {
+  static_assert(!G || reads_q8_0<F>(), "SwiGLU staging writes a Q8_0 row");
+  if constexpr (G || (Gen && reads_q8_0<F>())) {
+    if (G || p.glu_src) {
       stage_glu<F, W>(p, sm);
       return;
     }
@@ -195,8 +197,12 @@ __device__ __forceinline__ void emit_norm(const Mv1Args& p, int64_t row, float y
 // work instead of after it: the same sums, one memory round trip less at the end of a decode step's kernel.
 // Norm: S >= 2 (the host sees to it), so whole warps hold 32 consecutive rows, one Q8_0 block of the next
 // RMSNorm's input, which emit_norm writes from the rows' final values (nw: the thread's row's norm weight).
-// Argmax: `best` is the largest key of the rows this thread wrote.
-template <bool Norm, int W, bool Argmax = false>
+// Argmax: `best` is the largest key of the rows this thread wrote. R: the rows go through rope_store never
+// (0), always (1, the RoPE instance) or when p.rope_on says so (2, the general instances).
+template <int R>
+__device__ __forceinline__ bool rope_rows(const Mv1Args& p) { return R == 1 || (R == 2 && p.rope_on); }
+
+template <bool Norm, int W, bool Argmax, int R>
 __device__ __forceinline__ void finish_group(const Mv1Args& p, int grp, int warp, int lane, float acc0, float acc1,
                                              float (*red)[16], const RopeTarget& at, bool early, float res0,
                                              float res1, float nw, unsigned long long& best) {
@@ -207,7 +213,7 @@ __device__ __forceinline__ void finish_group(const Mv1Args& p, int grp, int warp
   acc1 += __shfl_xor_sync(0xffffffffu, acc1, 2);
   const int S = 1 << p.lsplit, tpg = W >> p.lsplit;
   if (!Norm && S == 1) {  // a warp owns its tile: no barrier needed
-    if (p.rope_on) {
+    if (rope_rows<R>(p)) {
       const float w0 = __shfl_xor_sync(0xffffffffu, acc0, 4), w1 = __shfl_xor_sync(0xffffffffu, acc1, 4);
       const int64_t r0 = ((int64_t)grp * tpg + warp) * 16 + (lane >> 2);
       if ((lane & 3) == 0 && r0 < p.n_out) rope_store(p.rope, p.y, r0, acc0, w0, at);
@@ -238,7 +244,7 @@ __device__ __forceinline__ void finish_group(const Mv1Args& p, int grp, int warp
     if (act)
       for (int s = 0; s < S; ++s) v += red[ts * S + s][rr];
     const int64_t row = ((int64_t)grp * tpg + ts) * 16 + rr;
-    if (p.rope_on) {
+    if (rope_rows<R>(p)) {
       const float w = __shfl_xor_sync(0xffffffffu, v, 1);
       if (act && row < p.n_out) rope_store(p.rope, p.y, row, v, w, at);
     } else if (Norm) {
@@ -352,9 +358,13 @@ __device__ __forceinline__ void publish_argmax(const Mv1Args& p, unsigned long l
   }
 }
 
-template <int F, int MB, int E, bool X>
+// G: the row is staged as SwiGLU of the gate/up row (stage_x). Gen: a general instance, which decides RoPE
+// (p.rope_on) and the SwiGLU staging (p.glu_src) at run time, as every instance did before the thirty-first
+// session (the launch picks per epilogue, lean_instances).
+template <int F, int MB, int E, bool X, bool G, bool Gen>
 __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
   constexpr bool Glu = E == kEpiGlu, Norm = E == kEpiNorm, Argmax = E == kEpiArgmax;
+  constexpr int R = E == kEpiRope ? 1 : Gen ? 2 : 0;
   unsigned long long best = 0ull;
   constexpr int W = warps_of(E);
   extern __shared__ __align__(16) uint8_t smem[];
@@ -383,8 +393,11 @@ __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
   Round<F> ra{}, rb{};
   Cursor cur{(int)blockIdx.x, 0};
   if (n_items > 0) load_round<F, X>(p, tile_of(cur), chunk_of(cur), nc_of(cur), lane, ra);
-  const RopeTarget at = p.rope_on ? rope_target(p.rope) : RopeTarget{};
-  if (p.rope_on && warp == W - 1) prefetch_kv_context(p.rope, lane);
+  RopeTarget at{};
+  if (rope_rows<R>(p)) {
+    at = rope_target(p.rope);
+    if (warp == W - 1) prefetch_kv_context(p.rope, lane);
+  }
   float nw = Norm && n_items > 0 ? norm_weight<W>(p, (int)blockIdx.x) : 0.0f;  // the first group's, like its first round
   // L2 prefetch (lane 0) of the items after the first, which are loaded into registers only one ahead.
   if (p.l2_items > 0 && lane == 0) {
@@ -399,7 +412,7 @@ __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
   bool early = !Glu && p.accumulate && p.resid_early && n_items > 0;
   float res0 = 0.f, res1 = 0.f;
   if (early) prefetch_residual<W>(p, (int)blockIdx.x, warp, lane, res0, res1);
-  stage_x<F, W>(p, smem);
+  stage_x<F, W, G, Gen>(p, smem);
   const uint2* xq = reinterpret_cast<const uint2*>(smem);
   const float* xs = reinterpret_cast<const float*>(smem + p.k);
   float acc0 = 0.f, acc1 = 0.f;
@@ -412,7 +425,7 @@ __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
     compute_round<F, X>(p, now, chunk_of(cur), nc_of(cur), xq, xs, t, acc0, acc1);
     if (cur.r == p.rounds - 1) {
       if constexpr (Glu) finish_glu(p, cur.grp, warp, lane, acc0, acc1, red[parity]);
-      else finish_group<Norm, W, Argmax>(p, cur.grp, warp, lane, acc0, acc1, red[parity], at, early, res0, res1, nw, best);
+      else finish_group<Norm, W, Argmax, R>(p, cur.grp, warp, lane, acc0, acc1, red[parity], at, early, res0, res1, nw, best);
       early = false;
       if constexpr (Norm) {
         if (i + 1 < n_items) nw = norm_weight<W>(p, nx.grp);  // requested before the next group's rounds
@@ -440,43 +453,120 @@ size_t smem_bytes_glu(int64_t k) { return glu_scratch_off<F>(k) + (size_t)k + (s
 
 int g_sm_count = 0;
 int g_split_override = -1;  // set_matvec1_split (tests): log2 of the warps per tile, -1 = chosen per matrix
-// The kernels built per format: the register budget MB (3 only for non-exact plain products, forced by
-// MERLIN_CUDA_MV1=3), the epilogue (Epi) and exact rounds X.
-enum Variant : int { kPlain2, kPlain3, kGlu, kPlainX, kGluX, kNorm, kNormX, kArgmax, kArgmaxX, kVariants };
-constexpr int variant_of(int mb, int epi, bool x) {
-  return epi == kEpiGlu    ? (x ? kGluX : kGlu)
-         : epi == kEpiArgmax ? (x ? kArgmaxX : kArgmax)
-         : epi == kEpiNorm ? (x ? kNormX : kNorm)
-         : mb == 3         ? kPlain3
-         : x               ? kPlainX
-                           : kPlain2;
+// The kernels built per format (mv1_kernel's parameters): the register budget MB (3 only for non-exact plain
+// products, forced by MERLIN_CUDA_MV1=3; 1 for the Norm epilogue's 16 warps, 2 otherwise), the epilogue E,
+// exact rounds X, and G: the row staged as SwiGLU of the gate/up row (the plain and Norm products of the
+// formats that read Q8_0 rows: the down product). One instance per combination the host launches, so that no
+// kernel carries code it never runs: RoPE's epilogue is ~20 KiB of SASS and the SwiGLU staging ~10 KiB in
+// kernels of 45-70 KiB, and each kernel of a decode step starts with a cold instruction cache (the 32-token
+// products' one-epilogue instances, docs/GPU.md "Epilogue instances").
+// The general instances (Gen) are the earlier all-in-one kernels, kept where they measured faster
+// (lean_instance).
+// Lean: [epilogue][X][G], then the MB = 3 plain product's G = 0 / 1; general: [epilogue][X], then MB = 3.
+constexpr int kLeanVariants = 4 * kEpis + 2, kVariants = kLeanVariants + 2 * kEpis + 1;
+constexpr int variant_of(int mb, int epi, bool x, bool g, bool gen) {
+  if (gen) return kLeanVariants + (mb == 3 ? 2 * kEpis : 2 * epi + (x ? 1 : 0));
+  return mb == 3 ? 4 * kEpis + (g ? 1 : 0) : (2 * epi + (x ? 1 : 0)) * 2 + (g ? 1 : 0);
 }
 
 // CTAs per SM of each variant for rows up to (bucket + 1) * kKBucket, [F][variant][bucket].
 int g_resident[8][kVariants][kBuckets] = {};
 
-template <int F, int MB, int E, bool X>
+template <int F, int MB, int E, bool X, bool G, bool Gen>
 void prepare_mb() {
-  const auto kernel = mv1_kernel<F, MB, E, X>;
+  const auto kernel = mv1_kernel<F, MB, E, X, G, Gen>;
   MERLIN_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes_glu<F>(kMaxK)));
   for (int b = 0; b < kBuckets; ++b)
-    MERLIN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&g_resident[F][variant_of(MB, E, X)][b], kernel,
+    MERLIN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&g_resident[F][variant_of(MB, E, X, G, Gen)][b], kernel,
                                                                      warps_of(E) * 32, smem_bytes<F>((b + 1) * kKBucket)));
 }
 
 
+template <int F, int MB, int E, bool G = false, bool Gen = false>
+void prepare_both() {  // checked and exact rounds
+  prepare_mb<F, MB, E, false, G, Gen>();
+  prepare_mb<F, MB, E, true, G, Gen>();
+}
+
 template <int F>
 void prepare() {
-  prepare_mb<F, 2, kEpiPlain, false>();
-  prepare_mb<F, 3, kEpiPlain, false>();
-  prepare_mb<F, 2, kEpiGlu, false>();
-  prepare_mb<F, 2, kEpiPlain, true>();
-  prepare_mb<F, 2, kEpiArgmax, false>();
-  prepare_mb<F, 2, kEpiArgmax, true>();
-  prepare_mb<F, 2, kEpiGlu, true>();
-  prepare_mb<F, 1, kEpiNorm, false>();
-  prepare_mb<F, 1, kEpiNorm, true>();
+  prepare_both<F, 2, kEpiPlain>();
+  prepare_mb<F, 3, kEpiPlain, false, false, false>();
+  prepare_both<F, 2, kEpiRope>();
+  prepare_both<F, 2, kEpiGlu>();
+  prepare_both<F, 2, kEpiArgmax>();
+  prepare_both<F, 1, kEpiNorm>();
+  if constexpr (reads_q8_0<F>()) {
+    prepare_both<F, 2, kEpiPlain, true>();
+    prepare_mb<F, 3, kEpiPlain, false, true, false>();
+    prepare_both<F, 1, kEpiNorm, true>();
+  }
+  prepare_both<F, 2, kEpiPlain, false, true>();  // the general instances
+  prepare_mb<F, 3, kEpiPlain, false, false, true>();
+  prepare_both<F, 2, kEpiGlu, false, true>();
+  prepare_both<F, 2, kEpiArgmax, false, true>();
+  prepare_both<F, 1, kEpiNorm, false, true>();
+}
+
+using Mv1Kernel = void (*)(Mv1Args);
+
+// Epilogue E's instance: the register budget mb (3: the MB = 3 plain product), exact rounds x.
+template <int F, int E, bool G, bool Gen>
+Mv1Kernel instance(int mb, bool x) {
+  constexpr int MB = E == kEpiNorm ? 1 : 2;
+  if constexpr (E == kEpiPlain) {
+    if (mb == 3) return mv1_kernel<F, 3, kEpiPlain, false, G, Gen>;
+  }
+  return x ? mv1_kernel<F, MB, E, true, G, Gen> : mv1_kernel<F, MB, E, false, G, Gen>;
+}
+
+// The instance prepare() built for (mb, epi, x, g, gen); g only with the plain and Norm epilogues (dispatch
+// checks); a general instance's RoPE epilogue is its plain one.
+template <int F>
+Mv1Kernel kernel_of(int mb, int epi, bool x, bool g, bool gen) {
+  if (gen) {
+    switch (epi) {
+      case kEpiGlu: return instance<F, kEpiGlu, false, true>(mb, x);
+      case kEpiNorm: return instance<F, kEpiNorm, false, true>(mb, x);
+      case kEpiArgmax: return instance<F, kEpiArgmax, false, true>(mb, x);
+      default: return instance<F, kEpiPlain, false, true>(mb, x);
+    }
+  }
+  if constexpr (reads_q8_0<F>()) {
+    if (g) return epi == kEpiNorm ? instance<F, kEpiNorm, true, false>(mb, x) : instance<F, kEpiPlain, true, false>(mb, x);
+  }
+  switch (epi) {
+    case kEpiGlu: return instance<F, kEpiGlu, false, false>(mb, x);
+    case kEpiNorm: return instance<F, kEpiNorm, false, false>(mb, x);
+    case kEpiArgmax: return instance<F, kEpiArgmax, false, false>(mb, x);
+    case kEpiRope: return instance<F, kEpiRope, false, false>(mb, x);
+    default: return instance<F, kEpiPlain, false, false>(mb, x);
+  }
+}
+
+// Whether a launch with epilogue epi (and a SwiGLU-staged row: g) over rows of length k takes its lean instance
+// rather than the general one. The effect is large and not additive over the epilogues (H200 tg128 at batch 1,
+// 2026-12-02, docs/BENCHMARKS.md "thirty-first session"): all lean / all general, base q8_0 4,872 / 4,587 t/s,
+// q4_k 3,800 / 3,762, iphone q4_0 1,293 / 1,218, macbook q4_0 765 / 747; but base q4_0 4,577 / 4,946, mxfp4
+// 3,705 / 4,230, tq2_0 3,885 / 3,989, and for base q4_0 any one lean kernel among general ones costs 8-10 %.
+// Not understood (the kernels' registers mostly fall and nothing spills; eager module loading changes nothing),
+// so the default is per format and, for Q4_0, per row length, one choice for every product of a model.
+// MERLIN_CUDA_MV1_EP (read once) overrides it with a mask: 1 RoPE, 2 plain, 4 Norm, 8 argmax, 16 SwiGLU
+// epilogue, 32 plain SwiGLU-staged, 64 Norm SwiGLU-staged (0 every general instance, 127 every lean one).
+int g_lean_override = -1;  // set_matvec1_instances (tests)
+bool lean_default(int f, int64_t k) {
+  if (f == kQ8_0 || f == kQ4_K) return true;
+  if (f == kQ4_0) return k >= 3072;
+  return false;
+}
+bool lean_instance(int f, int epi, bool g, int64_t k) {
+  static const long env_mask = env_int("MERLIN_CUDA_MV1_EP", -1);
+  const long mask = g_lean_override >= 0 ? g_lean_override : env_mask;
+  if (mask < 0) return lean_default(f, k);
+  const int bit = g ? (epi == kEpiNorm ? 64 : 32)
+                    : epi == kEpiRope ? 1 : epi == kEpiPlain ? 2 : epi == kEpiNorm ? 4 : epi == kEpiArgmax ? 8 : 16;
+  return (mask & bit) != 0;
 }
 
 // The quantized formats the dp4a kernels take (F16/BF16 rows have matvec1_half.cu).
@@ -623,10 +713,11 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
   }
   p.argmax = e.argmax;
   p.l2_items = l2_items(w);
-  const int epi = e.glu_out ? kEpiGlu : e.norm_out ? kEpiNorm : e.argmax ? kEpiArgmax : kEpiPlain;
+  const int epi = e.glu_out ? kEpiGlu : e.norm_out ? kEpiNorm : e.argmax ? kEpiArgmax : e.rope ? kEpiRope : kEpiPlain;
   const int mb = epi == kEpiNorm ? 1 : epi != kEpiPlain || mv1_mode() < 2 ? min_blocks(F) : mv1_mode();
   const bool exact = mb != 3 && exact_rounds(F, geo) && !exact_off();
-  const int v = variant_of(mb, epi, exact);
+  const bool g = x.glu_src != nullptr, gen = !lean_instance(F, epi, g, w.k);
+  const int v = variant_of(mb, gen && epi == kEpiRope ? kEpiPlain : epi, exact, g && !gen, gen);
   const int per_sm = std::max(1, g_resident[F][v][(w.k - 1) / kKBucket]);
   const int64_t ctas = (int64_t)g_sm_count * per_sm;
   choose_split(p, ctas, tie_by_warps(F, epi == kEpiGlu), epi == kEpiGlu, epi == kEpiNorm);
@@ -634,15 +725,7 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
   p.groups_q = p.groups / (int)grid;
   p.groups_r = p.groups % (int)grid;
   const size_t smem = x.glu_src ? smem_bytes_glu<F>(w.k) : smem_bytes<F>(w.k);
-  void (*kernel)(Mv1Args) = v == kArgmaxX  ? mv1_kernel<F, 2, kEpiArgmax, true>
-                            : v == kArgmax ? mv1_kernel<F, 2, kEpiArgmax, false>
-                            : v == kGluX   ? mv1_kernel<F, 2, kEpiGlu, true>
-                            : v == kGlu    ? mv1_kernel<F, 2, kEpiGlu, false>
-                            : v == kNormX  ? mv1_kernel<F, 1, kEpiNorm, true>
-                            : v == kNorm   ? mv1_kernel<F, 1, kEpiNorm, false>
-                            : v == kPlainX ? mv1_kernel<F, 2, kEpiPlain, true>
-                            : v == kPlain3 ? mv1_kernel<F, 3, kEpiPlain, false>
-                                           : mv1_kernel<F, 2, kEpiPlain, false>;
+  const Mv1Kernel kernel = kernel_of<F>(mb, epi, exact, g, gen);
   launch_pdl(kernel, dim3(grid), dim3(warps_of(epi) * 32), smem, stream, p);
   check_launch("matvec1");
 }
@@ -659,8 +742,10 @@ bool dispatch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out_rows, 
   }
   MERLIN_CHECK(!x.rms_part || (x.kind == ActKind::Q8_0 && x.rms_block == 32),
                "matvec1: deferred RMSNorm on a non-Q8_0 row, or in sums per 16 outputs");
-  MERLIN_CHECK(!x.glu_src || (matvec1_glu_fits(w) && !x.rms_part && !e.glu_out),
+  MERLIN_CHECK(!x.glu_src || (matvec1_glu_fits(w) && !x.rms_part && !e.glu_out && !e.argmax && !e.rope),
                "matvec1: a SwiGLU row for a product that cannot compute it while staging");
+  MERLIN_CHECK(!e.rope || (!e.glu_out && !e.norm_out && !e.argmax && !accumulate),
+               "matvec1: RoPE is the stacked QKV product's only epilogue");
   const int64_t n_out = std::min(n_out_rows, w.rows);
   if (n_out <= 0) return true;
   switch (w.fmt) {
@@ -699,7 +784,7 @@ static int plain_split(const Matrix& w) {
   Mv1Args p{};
   p.tiles = (int)geo.tiles;
   p.n_chunks = (int)geo.n_chunks;
-  const int per_sm = std::max(1, g_resident[w.fmt][kPlain2][(w.k - 1) / kKBucket]);
+  const int per_sm = std::max(1, g_resident[w.fmt][variant_of(2, kEpiPlain, false, false, false)][(w.k - 1) / kKBucket]);
   choose_split(p, (int64_t)g_sm_count * per_sm, tie_by_warps(w.fmt, false), false);
   return p.lsplit;
 }
@@ -752,6 +837,7 @@ bool matvec1_norm(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, b
 }
 
 void set_matvec1_split(int lsplit) { g_split_override = lsplit; }
+void set_matvec1_instances(int mask) { g_lean_override = mask; }
 
 bool matvec1_argmax_fits(const Matrix& w) {
   const bool fmt = has_mv1_kernel(w.fmt);

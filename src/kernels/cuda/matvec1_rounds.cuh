@@ -35,7 +35,7 @@ struct Mv1Args {
   int accumulate;
   int resid_early;  // accumulate: the CTA's first group reads its residual rows right after pdl_wait
   int x_early;      // stage_x requests the thread's first step before the deferred norm's sums
-  int rope_on;      // 1: y is the stacked QKV product, finished by rope_store (matmul_rope_kv)
+  int rope_on;      // 1: y is the stacked QKV product, finished by rope_store (kEpiRope, or a general instance)
   RopeKvArgs rope;
   int glu_up_tile;  // Glu variant: first tile of the up rows
   int glu_tiles;    // Glu variant: tiles of outputs (ffn / 16) in each half
@@ -52,9 +52,11 @@ struct Mv1Args {
   int l2_items;      // items after the first whose weights and scales a warp prefetches into L2 before pdl_wait
 };
 
-// Epilogues of the kernel: plain rows, SwiGLU of stacked gate/up rows, or plain rows plus the next RMSNorm's
-// input with a deferred scale (matvec1_norm).
-enum Epi : int { kEpiPlain = 0, kEpiGlu = 1, kEpiNorm = 2, kEpiArgmax = 3 };
+// Epilogues of the kernel: plain rows, SwiGLU of stacked gate/up rows, plain rows plus the next RMSNorm's
+// input with a deferred scale (matvec1_norm), plain rows plus their argmax, or RoPE + K/V write of a stacked
+// QKV product (rope_on). Each is its own kernel instance, so that none carries another's code.
+enum Epi : int { kEpiPlain = 0, kEpiGlu = 1, kEpiNorm = 2, kEpiArgmax = 3, kEpiRope = 4 };
+constexpr int kEpis = 5;
 
 // Scale words per round: per k-step (Q8_0, Q4_0: half2 of rows g, g + 8; MXFP4: their e8m0 bytes), per
 // super-block (TQ2_0: half2), none (Q4_K: two 16-byte headers instead).

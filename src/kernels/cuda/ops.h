@@ -231,6 +231,9 @@ void set_matmul_shape(int split, int nt);
 // Tests: forces log2 of the warps per tile of the single-token products (clamped per variant); -1 restores
 // the per-matrix choice.
 void set_matvec1_split(int lsplit);
+// Tests: which single-token products take their lean instance rather than the general one (matvec1.cu,
+// lean_instance's mask: 0 none, 127 all); -1 restores the per-format default. Both must give the same bits.
+void set_matvec1_instances(int mask);
 
 // ---- prefill-sized products through cuBLAS (gemm.cu) ----
 // For steps of many tokens quantized weights are expanded chunk by chunk into row-major f16 (F16/BF16
