@@ -423,12 +423,13 @@ Mv1Kernel kernel_of(int mb, int epi, bool x, bool g, bool gen) {
 // q4_k 3,800 / 3,762, iphone q4_0 1,293 / 1,218, macbook q4_0 765 / 747; but base q4_0 4,577 / 4,946, mxfp4
 // 3,705 / 4,230, tq2_0 3,885 / 3,989, and for base q4_0 any one lean kernel among general ones costs 8-10 %.
 // Not understood (the kernels' registers mostly fall and nothing spills; eager module loading changes nothing),
-// so the default is per format and, for Q4_0, per row length, one choice for every product of a model.
+// so the default is per format and row length, one choice for every product of a model, and lean only where
+// measured: Q8_0 and Q4_K with base's rows (768 and 2,048), Q4_0 with iphone's and macbook's (3,072 and up).
 // MERLIN_CUDA_MV1_EP (read once) overrides it with a mask: 1 RoPE, 2 plain, 4 Norm, 8 argmax, 16 SwiGLU
 // epilogue, 32 plain SwiGLU-staged, 64 Norm SwiGLU-staged (0 every general instance, 127 every lean one).
 int g_lean_override = -1;  // set_matvec1_instances (tests)
 bool lean_default(int f, int64_t k) {
-  if (f == kQ8_0 || f == kQ4_K) return true;
+  if (f == kQ8_0 || f == kQ4_K) return k < 3072;
   if (f == kQ4_0) return k >= 3072;
   return false;
 }
