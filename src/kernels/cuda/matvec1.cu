@@ -232,7 +232,7 @@ __device__ __forceinline__ void publish_argmax(const Mv1Args& p, unsigned long l
 
 // G: the row is staged as SwiGLU of the gate/up row (stage_x). Gen: a general instance, which decides RoPE
 // (p.rope_on) and the SwiGLU staging (p.glu_src) at run time, as every instance did before the thirty-first
-// session (the launch picks per epilogue, lean_instances).
+// session (the launch picks per epilogue, lean_instance).
 template <int F, int MB, int E, bool X, bool G, bool Gen>
 __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
   constexpr bool Glu = E == kEpiGlu, Norm = E == kEpiNorm, Argmax = E == kEpiArgmax;
@@ -329,7 +329,7 @@ int g_split_override = -1;  // set_matvec1_split (tests): log2 of the warps per 
 // products, forced by MERLIN_CUDA_MV1=3; 1 for the Norm epilogue's 16 warps, 2 otherwise), the epilogue E,
 // exact rounds X, and G: the row staged as SwiGLU of the gate/up row (the plain and Norm products of the
 // formats that read Q8_0 rows: the down product). One instance per combination the host launches, so that no
-// kernel carries code it never runs: RoPE's epilogue is ~20 KiB of SASS and the SwiGLU staging ~10 KiB in
+// kernel carries code it never runs: RoPE's epilogue is ~20 KiB of SASS and the run-time SwiGLU branch ~10 KiB in
 // kernels of 45-70 KiB, and each kernel of a decode step starts with a cold instruction cache (the 32-token
 // products' one-epilogue instances, docs/GPU.md "Epilogue instances").
 // The general instances (Gen) are the earlier all-in-one kernels, kept where they measured faster
@@ -590,7 +590,7 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
   const int mb = epi == kEpiNorm ? 1 : epi != kEpiPlain || mv1_mode() < 2 ? min_blocks(F) : mv1_mode();
   const bool exact = mb != 3 && exact_rounds(F, geo) && !exact_off();
   const bool g = x.glu_src != nullptr, gen = !lean_instance(F, epi, g, w.k);
-  const int v = variant_of(mb, gen && epi == kEpiRope ? kEpiPlain : epi, exact, g && !gen, gen);
+  const int v = variant_of(mb, gen && epi == kEpiRope ? kEpiPlain : epi, exact, g, gen);  // see kernel_of
   const int per_sm = std::max(1, g_resident[F][v][(w.k - 1) / kKBucket]);
   const int64_t ctas = (int64_t)g_sm_count * per_sm;
   choose_split(p, ctas, tie_by_warps(F, epi == kEpiGlu), epi == kEpiGlu, epi == kEpiNorm);

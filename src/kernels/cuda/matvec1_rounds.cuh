@@ -54,7 +54,8 @@ struct Mv1Args {
 
 // Epilogues of the kernel: plain rows, SwiGLU of stacked gate/up rows, plain rows plus the next RMSNorm's
 // input with a deferred scale (matvec1_norm), plain rows plus their argmax, or RoPE + K/V write of a stacked
-// QKV product (rope_on). Each is its own kernel instance, so that none carries another's code.
+// QKV product (rope_on). Each has a lean kernel instance that carries no other's code (matvec1.cu keeps
+// general instances beside them, which decide RoPE and the SwiGLU staging at run time).
 enum Epi : int { kEpiPlain = 0, kEpiGlu = 1, kEpiNorm = 2, kEpiArgmax = 3, kEpiRope = 4 };
 constexpr int kEpis = 5;
 
