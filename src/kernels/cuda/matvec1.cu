@@ -230,13 +230,14 @@ __device__ __forceinline__ void publish_argmax(const Mv1Args& p, unsigned long l
   }
 }
 
-// G: the row is staged as SwiGLU of the gate/up row (stage_x). Gen: a general instance, which decides RoPE
-// (p.rope_on) and the SwiGLU staging (p.glu_src) at run time, as every instance did before the thirty-first
-// session (the launch picks per epilogue, lean_instance).
-template <int F, int MB, int E, bool X, bool G, bool Gen>
+// G: the row is staged as SwiGLU of the gate/up row (stage_x). Run: what the instance decides at run time,
+// kRunRope (RoPE by p.rope_on) and kRunGlu (the SwiGLU staging by p.glu_src); kRunAll is the general instance
+// every launch took before the thirty-first session (instance families: pick_instance).
+enum Run : int { kRunNone = 0, kRunRope = 1, kRunGlu = 2, kRunAll = 3 };
+template <int F, int MB, int E, bool X, bool G, int Run>
 __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
   constexpr bool Glu = E == kEpiGlu, Norm = E == kEpiNorm, Argmax = E == kEpiArgmax;
-  constexpr int R = E == kEpiRope ? 1 : Gen ? 2 : 0;
+  constexpr int R = E == kEpiRope ? 1 : (Run & kRunRope) ? 2 : 0;
   unsigned long long best = 0ull;
   constexpr int W = warps_of(E);
   extern __shared__ __align__(16) uint8_t smem[];
@@ -284,7 +285,7 @@ __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
   bool early = !Glu && p.accumulate && p.resid_early && n_items > 0;
   float res0 = 0.f, res1 = 0.f;
   if (early) prefetch_residual<W>(p, (int)blockIdx.x, warp, lane, res0, res1);
-  stage_x<F, W, G, Gen>(p, smem);
+  stage_x<F, W, G, (Run & kRunGlu) != 0>(p, smem);
   const uint2* xq = reinterpret_cast<const uint2*>(smem);
   const float* xs = reinterpret_cast<const float*>(smem + p.k);
   float acc0 = 0.f, acc1 = 0.f;
@@ -327,119 +328,145 @@ int g_sm_count = 0;
 int g_split_override = -1;  // set_matvec1_split (tests): log2 of the warps per tile, -1 = chosen per matrix
 // The kernels built per format (mv1_kernel's parameters): the register budget MB (3 only for non-exact plain
 // products, forced by MERLIN_CUDA_MV1=3; 1 for the Norm epilogue's 16 warps, 2 otherwise), the epilogue E,
-// exact rounds X, and G: the row staged as SwiGLU of the gate/up row (the plain and Norm products of the
-// formats that read Q8_0 rows: the down product). One instance per combination the host launches, so that no
-// kernel carries code it never runs: RoPE's epilogue is ~20 KiB of SASS and the run-time SwiGLU branch ~10 KiB in
-// kernels of 45-70 KiB, and each kernel of a decode step starts with a cold instruction cache (the 32-token
-// products' one-epilogue instances, docs/GPU.md "Epilogue instances").
-// The general instances (Gen) are the earlier all-in-one kernels, kept where they measured faster
-// (lean_instance).
-// Lean: [epilogue][X][G], then the MB = 3 plain product's G = 0 / 1; general: [epilogue][X], then MB = 3.
-constexpr int kLeanVariants = 4 * kEpis + 2, kVariants = kLeanVariants + 2 * kEpis + 1;
-constexpr int variant_of(int mb, int epi, bool x, bool g, bool gen) {
-  if (gen) return kLeanVariants + (mb == 3 ? 2 * kEpis : 2 * epi + (x ? 1 : 0));
-  return mb == 3 ? 4 * kEpis + (g ? 1 : 0) : (2 * epi + (x ? 1 : 0)) * 2 + (g ? 1 : 0);
+// exact rounds X, G: the row staged as SwiGLU of the gate/up row (the plain and Norm products of the formats
+// that read Q8_0 rows: the down product), and Run.
+//
+// Which instances a decode step runs matters more than what each costs alone: the H200 keeps the code of only
+// a few such kernels hot, so each distinct kernel a layer runs adds instruction fetches to every kernel of the
+// layer (thirty-second session, base q4_0 tg128: the QKV product on an identical copy of the kernel its
+// gate/up product runs, 4,988 -> 4,228 t/s; the Wo product on a copy of the down product's, 4,371). Three
+// families (pick_instance, docs/GPU.md "Instance families"):
+//  - lean: one instance per epilogue and staging (RoPE, plain, Norm, Norm SwiGLU-staged, ...): the least code
+//    per kernel, the most kernels per layer (base: 4);
+//  - mid: the QKV and the plain gate/up products share one instance (RoPE at run time), the Wo and down
+//    products another (the SwiGLU staging at run time): 2 per layer, each smaller than a general one;
+//  - general (kRunAll): RoPE and the staging at run time in every instance.
+struct Key {  // the instance a launch takes (kernel_of)
+  int mb, epi;
+  bool x, g;
+  int run;
+};
+constexpr int kVariants = 2 * kEpis * 2 * 2 * 4;
+constexpr int variant_of(const Key& k) {
+  return ((((k.mb == 3 ? 1 : 0) * kEpis + k.epi) * 2 + (k.x ? 1 : 0)) * 2 + (k.g ? 1 : 0)) * 4 + k.run;
 }
 
 // CTAs per SM of each variant for rows up to (bucket + 1) * kKBucket, [F][variant][bucket].
 int g_resident[8][kVariants][kBuckets] = {};
 
-template <int F, int MB, int E, bool X, bool G, bool Gen>
-void prepare_mb() {
-  const auto kernel = mv1_kernel<F, MB, E, X, G, Gen>;
+template <int F, int MB, int E, bool X, bool G, int Run>
+void prepare_one() {
+  const auto kernel = mv1_kernel<F, MB, E, X, G, Run>;
   MERLIN_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes_glu<F>(kMaxK)));
+  const int v = variant_of(Key{MB, E, X, G, Run});
   for (int b = 0; b < kBuckets; ++b)
-    MERLIN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&g_resident[F][variant_of(MB, E, X, G, Gen)][b], kernel,
-                                                                     warps_of(E) * 32, smem_bytes<F>((b + 1) * kKBucket)));
+    MERLIN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&g_resident[F][v][b], kernel, warps_of(E) * 32,
+                                                                     smem_bytes<F>((b + 1) * kKBucket)));
 }
 
-
-template <int F, int MB, int E, bool G = false, bool Gen = false>
-void prepare_both() {  // checked and exact rounds
-  prepare_mb<F, MB, E, false, G, Gen>();
-  prepare_mb<F, MB, E, true, G, Gen>();
+// An instance with both X, and for the plain epilogue the MB = 3 one (not for kRunRope: pick_instance sends
+// MB = 3 launches of the mid family to the general instance).
+template <int F, int E, bool G, int Run>
+void prepare_instance() {
+  constexpr int MB = E == kEpiNorm ? 1 : 2;
+  prepare_one<F, MB, E, false, G, Run>();
+  prepare_one<F, MB, E, true, G, Run>();
+  if constexpr (E == kEpiPlain && Run != kRunRope) prepare_one<F, 3, kEpiPlain, false, G, Run>();
 }
 
 template <int F>
 void prepare() {
-  prepare_both<F, 2, kEpiPlain>();
-  prepare_mb<F, 3, kEpiPlain, false, false, false>();
-  prepare_both<F, 2, kEpiRope>();
-  prepare_both<F, 2, kEpiGlu>();
-  prepare_both<F, 2, kEpiArgmax>();
-  prepare_both<F, 1, kEpiNorm>();
+  prepare_instance<F, kEpiPlain, false, kRunNone>();  // lean
+  prepare_instance<F, kEpiRope, false, kRunNone>();
+  prepare_instance<F, kEpiGlu, false, kRunNone>();
+  prepare_instance<F, kEpiArgmax, false, kRunNone>();
+  prepare_instance<F, kEpiNorm, false, kRunNone>();
   if constexpr (reads_q8_0<F>()) {
-    prepare_both<F, 2, kEpiPlain, true>();
-    prepare_mb<F, 3, kEpiPlain, false, true, false>();
-    prepare_both<F, 1, kEpiNorm, true>();
+    prepare_instance<F, kEpiPlain, true, kRunNone>();
+    prepare_instance<F, kEpiNorm, true, kRunNone>();
   }
-  prepare_both<F, 2, kEpiPlain, false, true>();  // the general instances
-  prepare_mb<F, 3, kEpiPlain, false, false, true>();
-  prepare_both<F, 2, kEpiGlu, false, true>();
-  prepare_both<F, 2, kEpiArgmax, false, true>();
-  prepare_both<F, 1, kEpiNorm, false, true>();
+  prepare_instance<F, kEpiPlain, false, kRunRope>();  // mid
+  prepare_instance<F, kEpiNorm, false, kRunGlu>();
+  prepare_instance<F, kEpiPlain, false, kRunAll>();  // general
+  prepare_instance<F, kEpiGlu, false, kRunAll>();
+  prepare_instance<F, kEpiArgmax, false, kRunAll>();
+  prepare_instance<F, kEpiNorm, false, kRunAll>();
 }
 
 using Mv1Kernel = void (*)(Mv1Args);
 
-// Epilogue E's instance: the register budget mb (3: the MB = 3 plain product), exact rounds x.
-template <int F, int E, bool G, bool Gen>
+template <int F, int E, bool G, int Run>
 Mv1Kernel instance(int mb, bool x) {
   constexpr int MB = E == kEpiNorm ? 1 : 2;
-  if constexpr (E == kEpiPlain) {
-    if (mb == 3) return mv1_kernel<F, 3, kEpiPlain, false, G, Gen>;
+  if constexpr (E == kEpiPlain && Run != kRunRope) {
+    if (mb == 3) return mv1_kernel<F, 3, kEpiPlain, false, G, Run>;
   }
-  return x ? mv1_kernel<F, MB, E, true, G, Gen> : mv1_kernel<F, MB, E, false, G, Gen>;
+  return x ? mv1_kernel<F, MB, E, true, G, Run> : mv1_kernel<F, MB, E, false, G, Run>;
 }
 
-// The instance prepare() built for (mb, epi, x, g, gen); g only with the plain and Norm epilogues (dispatch
-// checks); a general instance's RoPE epilogue is its plain one.
+// The instance prepare() built for k (pick_instance only asks for those).
 template <int F>
-Mv1Kernel kernel_of(int mb, int epi, bool x, bool g, bool gen) {
-  if (gen) {
-    switch (epi) {
-      case kEpiGlu: return instance<F, kEpiGlu, false, true>(mb, x);
-      case kEpiNorm: return instance<F, kEpiNorm, false, true>(mb, x);
-      case kEpiArgmax: return instance<F, kEpiArgmax, false, true>(mb, x);
-      default: return instance<F, kEpiPlain, false, true>(mb, x);
-    }
+Mv1Kernel kernel_of(const Key& k) {
+  switch (k.run) {
+    case kRunRope: return instance<F, kEpiPlain, false, kRunRope>(k.mb, k.x);
+    case kRunGlu: return instance<F, kEpiNorm, false, kRunGlu>(k.mb, k.x);
+    case kRunAll:
+      switch (k.epi) {
+        case kEpiGlu: return instance<F, kEpiGlu, false, kRunAll>(k.mb, k.x);
+        case kEpiNorm: return instance<F, kEpiNorm, false, kRunAll>(k.mb, k.x);
+        case kEpiArgmax: return instance<F, kEpiArgmax, false, kRunAll>(k.mb, k.x);
+        default: return instance<F, kEpiPlain, false, kRunAll>(k.mb, k.x);
+      }
+    default: break;
   }
   if constexpr (reads_q8_0<F>()) {
-    if (g) return epi == kEpiNorm ? instance<F, kEpiNorm, true, false>(mb, x) : instance<F, kEpiPlain, true, false>(mb, x);
+    if (k.g) return k.epi == kEpiNorm ? instance<F, kEpiNorm, true, kRunNone>(k.mb, k.x)
+                                      : instance<F, kEpiPlain, true, kRunNone>(k.mb, k.x);
   }
-  switch (epi) {
-    case kEpiGlu: return instance<F, kEpiGlu, false, false>(mb, x);
-    case kEpiNorm: return instance<F, kEpiNorm, false, false>(mb, x);
-    case kEpiArgmax: return instance<F, kEpiArgmax, false, false>(mb, x);
-    case kEpiRope: return instance<F, kEpiRope, false, false>(mb, x);
-    default: return instance<F, kEpiPlain, false, false>(mb, x);
+  switch (k.epi) {
+    case kEpiGlu: return instance<F, kEpiGlu, false, kRunNone>(k.mb, k.x);
+    case kEpiNorm: return instance<F, kEpiNorm, false, kRunNone>(k.mb, k.x);
+    case kEpiArgmax: return instance<F, kEpiArgmax, false, kRunNone>(k.mb, k.x);
+    case kEpiRope: return instance<F, kEpiRope, false, kRunNone>(k.mb, k.x);
+    default: return instance<F, kEpiPlain, false, kRunNone>(k.mb, k.x);
   }
 }
 
-// Whether a launch with epilogue epi (and a SwiGLU-staged row: g) over rows of length k takes its lean instance
-// rather than the general one. The effect is large and not additive over the epilogues (H200 tg128 at batch 1,
-// 2026-12-02, docs/BENCHMARKS.md "thirty-first session"): all lean / all general, base q8_0 4,872 / 4,587 t/s,
-// q4_k 3,800 / 3,762, iphone q4_0 1,293 / 1,218, macbook q4_0 765 / 747; but base q4_0 4,577 / 4,946, mxfp4
-// 3,705 / 4,230, tq2_0 3,885 / 3,989, and for base q4_0 any one lean kernel among general ones costs 8-10 %.
-// Not understood (the kernels' registers mostly fall and nothing spills; eager module loading changes nothing),
-// so the default is per format and row length, one choice for every product of a model, and lean only where
-// measured: Q8_0 and Q4_K with base's rows (768 and 2,048), Q4_0 with iphone's and macbook's (3,072 and up).
-// MERLIN_CUDA_MV1_EP (read once) overrides it with a mask: 1 RoPE, 2 plain, 4 Norm, 8 argmax, 16 SwiGLU
-// epilogue, 32 plain SwiGLU-staged, 64 Norm SwiGLU-staged (0 every general instance, 127 every lean one).
-int g_lean_override = -1;  // set_matvec1_instances (tests)
-bool lean_default(int f, int64_t k) {
-  if (f == kQ8_0 || f == kQ4_K) return k < 3072;
-  if (f == kQ4_0) return k >= 3072;
-  return false;
+// The family every single-token product of weights of format f over rows of length k takes (k < 3,072: base's
+// rows). H200 tg128 at batch 1, lean / mid / general (docs/BENCHMARKS.md, "thirty-second session"): base q4_0
+// 4,600 / 5,517 / 4,953 t/s, q8_0 4,847 / 5,011 / 4,525, mxfp4 3,723 / 4,386 / 4,231, q4_k 3,821 / 3,792 /
+// 3,786, tq2_0 3,899 / 4,009 / 4,005; iphone q4_0 1,287 / 1,234 / 1,212, q8_0 869 / 855 / 844, q4_k 1,068 /
+// 1,047 / 1,047, mxfp4 1,004 / 978 / 986, tq2_0 1,381 / 1,399 / 1,399; macbook q4_0 762 / 756 / 743, q8_0 466 /
+// 464 / 462. Where the gate/up product runs the SwiGLU epilogue (iphone, macbook) the lean family already
+// has three kernels per layer, the Wo and down products sharing the lean Norm instance.
+enum Family : int { kLean = 0, kMid = 1, kGeneral = 2 };
+int family_default(int f, int64_t k) {
+  if (f == kQ4_0 || f == kQ8_0 || f == kMXFP4) return k < 3072 ? kMid : kLean;
+  if (f == kQ4_K) return kLean;
+  return kGeneral;
 }
-bool lean_instance(int f, int epi, bool g, int64_t k) {
-  static const long env_mask = env_int("MERLIN_CUDA_MV1_EP", -1);
-  const long mask = g_lean_override >= 0 ? g_lean_override : env_mask;
-  if (mask < 0) return lean_default(f, k);
-  const int bit = g ? (epi == kEpiNorm ? 64 : 32)
-                    : epi == kEpiRope ? 1 : epi == kEpiPlain ? 2 : epi == kEpiNorm ? 4 : epi == kEpiArgmax ? 8 : 16;
-  return (mask & bit) != 0;
+// MERLIN_CUDA_MV1_FAMILY=lean|mid|general (read once) overrides family_default for every product.
+int g_family_override = -1;  // set_matvec1_instances (tests)
+int family_of(int f, int64_t k) {
+  static const int env = env_is("MERLIN_CUDA_MV1_FAMILY", "lean")      ? kLean
+                         : env_is("MERLIN_CUDA_MV1_FAMILY", "mid")     ? kMid
+                         : env_is("MERLIN_CUDA_MV1_FAMILY", "general") ? kGeneral
+                                                                       : -1;
+  return g_family_override >= 0 ? g_family_override : env >= 0 ? env : family_default(f, k);
+}
+
+// The instance for a launch with register budget mb, epilogue epi, exact rounds x and a SwiGLU-staged row g.
+// A general or mid instance's RoPE epilogue is its plain one's run-time branch; the mid family's other
+// launches (argmax, the SwiGLU epilogue, a staged plain product, MB = 3) take the lean or general ones.
+Key pick_instance(int f, int mb, int epi, bool x, bool g, int64_t k) {
+  const int fam = family_of(f, k);
+  const bool plain_like = epi == kEpiRope || (epi == kEpiPlain && !g);
+  if (fam == kGeneral || (fam == kMid && plain_like && mb == 3))
+    return Key{mb, epi == kEpiRope ? kEpiPlain : epi, x, false, kRunAll};
+  if (fam == kMid && plain_like) return Key{mb, kEpiPlain, x, false, kRunRope};
+  if (fam == kMid && epi == kEpiNorm) return Key{mb, kEpiNorm, x, false, kRunGlu};
+  return Key{mb, epi, x, g, kRunNone};
 }
 
 // The quantized formats the dp4a kernels take (F16/BF16 rows have matvec1_half.cu).
@@ -589,16 +616,15 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
   const int epi = e.glu_out ? kEpiGlu : e.norm_out ? kEpiNorm : e.argmax ? kEpiArgmax : e.rope ? kEpiRope : kEpiPlain;
   const int mb = epi == kEpiNorm ? 1 : epi != kEpiPlain || mv1_mode() < 2 ? min_blocks(F) : mv1_mode();
   const bool exact = mb != 3 && exact_rounds(F, geo) && !exact_off();
-  const bool g = x.glu_src != nullptr, gen = !lean_instance(F, epi, g, w.k);
-  const int v = variant_of(mb, gen && epi == kEpiRope ? kEpiPlain : epi, exact, g, gen);  // see kernel_of
-  const int per_sm = std::max(1, g_resident[F][v][(w.k - 1) / kKBucket]);
+  const Key key = pick_instance(F, mb, epi, exact, x.glu_src != nullptr, w.k);
+  const int per_sm = std::max(1, g_resident[F][variant_of(key)][(w.k - 1) / kKBucket]);
   const int64_t ctas = (int64_t)g_sm_count * per_sm;
   choose_split(p, ctas, tie_by_warps(F, epi == kEpiGlu), epi == kEpiGlu, epi == kEpiNorm);
   const unsigned grid = (unsigned)std::min<int64_t>(p.groups, ctas);
   p.groups_q = p.groups / (int)grid;
   p.groups_r = p.groups % (int)grid;
   const size_t smem = x.glu_src ? smem_bytes_glu<F>(w.k) : smem_bytes<F>(w.k);
-  const Mv1Kernel kernel = kernel_of<F>(mb, epi, exact, g, gen);
+  const Mv1Kernel kernel = kernel_of<F>(key);
   launch_pdl(kernel, dim3(grid), dim3(warps_of(epi) * 32), smem, stream, p);
   check_launch("matvec1");
 }
@@ -657,7 +683,7 @@ static int plain_split(const Matrix& w) {
   Mv1Args p{};
   p.tiles = (int)geo.tiles;
   p.n_chunks = (int)geo.n_chunks;
-  const int per_sm = std::max(1, g_resident[w.fmt][variant_of(2, kEpiPlain, false, false, false)][(w.k - 1) / kKBucket]);
+  const int per_sm = std::max(1, g_resident[w.fmt][variant_of(Key{2, kEpiPlain, false, false, kRunNone})][(w.k - 1) / kKBucket]);
   choose_split(p, (int64_t)g_sm_count * per_sm, tie_by_warps(w.fmt, false), false);
   return p.lsplit;
 }
@@ -710,7 +736,7 @@ bool matvec1_norm(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, b
 }
 
 void set_matvec1_split(int lsplit) { g_split_override = lsplit; }
-void set_matvec1_instances(int mask) { g_lean_override = mask; }
+void set_matvec1_instances(int family) { g_family_override = family; }
 
 bool matvec1_argmax_fits(const Matrix& w) {
   const bool fmt = has_mv1_kernel(w.fmt);

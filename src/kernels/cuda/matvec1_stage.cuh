@@ -108,11 +108,11 @@ __device__ __forceinline__ void stage_glu(const Mv1Args& p, uint8_t* sm) {
 // The thread's first step is requested before the deferred norm's sums of squares, so that the two L2 round
 // trips overlap instead of following each other (rows of up to W * 32 blocks, every row here but the
 // longest, have no other step). G: the row is SwiGLU of p.glu_src (stage_glu), in the instances built for it;
-// Gen: whichever p.glu_src says (the general instances).
-template <int F, int W, bool G, bool Gen>
+// Dyn: whichever p.glu_src says (the instances that decide the staging at run time, kRunGlu).
+template <int F, int W, bool G, bool Dyn>
 __device__ __forceinline__ void stage_x(const Mv1Args& p, uint8_t* sm) {
   static_assert(!G || reads_q8_0<F>(), "SwiGLU staging writes a Q8_0 row");
-  if constexpr (G || (Gen && reads_q8_0<F>())) {
+  if constexpr (G || (Dyn && reads_q8_0<F>())) {
     if (G || p.glu_src) {
       stage_glu<F, W>(p, sm);
       return;

@@ -231,9 +231,9 @@ void set_matmul_shape(int split, int nt);
 // Tests: forces log2 of the warps per tile of the single-token products (clamped per variant); -1 restores
 // the per-matrix choice.
 void set_matvec1_split(int lsplit);
-// Tests: which single-token products take their lean instance rather than the general one (matvec1.cu,
-// lean_instance's mask: 0 none, 127 all); -1 restores the per-format default. Both must give the same bits.
-void set_matvec1_instances(int mask);
+// Tests: the instance family of every single-token product (matvec1.cu, pick_instance: 0 lean, 1 mid,
+// 2 general); -1 restores the per-format default. All must give the same bits.
+void set_matvec1_instances(int family);
 
 // ---- prefill-sized products through cuBLAS (gemm.cu) ----
 // For steps of many tokens quantized weights are expanded chunk by chunk into row-major f16 (F16/BF16
