@@ -64,23 +64,26 @@ __device__ __forceinline__ void prefetch_kv_context(const RopeKvArgs& a, int lan
 }
 
 // Where a QKV product's epilogue sends row r of a token (value v, its RoPE partner r ^ 1 has w): Q rows,
-// rotated, to the qkv buffer; K rows, rotated, and V rows to the cache slot of (seq, pos).
-__device__ __forceinline__ void rope_store(const RopeKvArgs& a, float* y, int64_t r, float v, float w,
+// rotated, to the qkv buffer; K rows, rotated, and V rows to the cache slot of (seq, pos). The row indices of
+// a stacked QKV product (q_dim + 2 kv_dim rows) fit 32 bits: 32-bit remainders, where the 64-bit ones were
+// ~100 instructions each in an epilogue that a single-token kernel inlines up to six times.
+__device__ __forceinline__ void rope_store(const RopeKvArgs& a, float* y, int64_t row, float v, float w,
                                            const RopeTarget& at) {
   const int64_t slot = at.slot;
   const float* cs = at.cs;
-  const int half_rot = a.n_rot / 2;
-  if (r < a.q_dim) {
-    const int i = (int)(r % a.hd) / 2;
+  const int half_rot = a.n_rot / 2, r = (int)row, q_dim = (int)a.q_dim, k_off = (int)a.k_off,
+            v_off = (int)a.v_off, kv_dim = (int)a.kv_dim;
+  if (r < q_dim) {
+    const int i = (r % a.hd) / 2;
     if (i < half_rot) v = (r & 1) ? rotate(w, v, cs[2 * i], cs[2 * i + 1]).y : rotate(v, w, cs[2 * i], cs[2 * i + 1]).x;
     y[r] = v;
-  } else if (r >= a.k_off && r < a.k_off + a.kv_dim) {
-    const int64_t e = r - a.k_off;
-    const int i = (int)(e % a.hd) / 2;
+  } else if (r >= k_off && r < k_off + kv_dim) {
+    const int e = r - k_off;
+    const int i = (e % a.hd) / 2;
     if (i < half_rot) v = (e & 1) ? rotate(w, v, cs[2 * i], cs[2 * i + 1]).y : rotate(v, w, cs[2 * i], cs[2 * i + 1]).x;
     store_kv(a.kv, a.kv.d_k, slot * a.kv_dim + e, v);
-  } else if (r >= a.v_off && r < a.v_off + a.kv_dim) {
-    store_kv(a.kv, a.kv.d_v, slot * a.kv_dim + (r - a.v_off), v);
+  } else if (r >= v_off && r < v_off + kv_dim) {
+    store_kv(a.kv, a.kv.d_v, slot * a.kv_dim + (r - v_off), v);
   }
 }
 
