@@ -70,7 +70,7 @@ __device__ __forceinline__ void emit_norm(const Mv1Args& p, int64_t row, float y
 // Norm: S >= 2 (the host sees to it), so whole warps hold 32 consecutive rows, one Q8_0 block of the next
 // RMSNorm's input, which emit_norm writes from the rows' final values (nw: the thread's row's norm weight).
 // Argmax: `best` is the largest key of the rows this thread wrote. R: the rows go through rope_store never
-// (0), always (1, the RoPE instance) or when p.rope_on says so (2, the general instances).
+// (0), always (1, the RoPE instance) or when p.rope_on says so (2, instances with kRunRope).
 template <int R>
 __device__ __forceinline__ bool rope_rows(const Mv1Args& p) { return R == 1 || (R == 2 && p.rope_on); }
 

@@ -35,7 +35,7 @@ struct Mv1Args {
   int accumulate;
   int resid_early;  // accumulate: the CTA's first group reads its residual rows right after pdl_wait
   int x_early;      // stage_x requests the thread's first step before the deferred norm's sums
-  int rope_on;      // 1: y is the stacked QKV product, finished by rope_store (kEpiRope, or a general instance)
+  int rope_on;      // 1: y is the stacked QKV product, finished by rope_store (kEpiRope, or an instance with kRunRope)
   RopeKvArgs rope;
   int glu_up_tile;  // Glu variant: first tile of the up rows
   int glu_tiles;    // Glu variant: tiles of outputs (ffn / 16) in each half
@@ -54,8 +54,8 @@ struct Mv1Args {
 
 // Epilogues of the kernel: plain rows, SwiGLU of stacked gate/up rows, plain rows plus the next RMSNorm's
 // input with a deferred scale (matvec1_norm), plain rows plus their argmax, or RoPE + K/V write of a stacked
-// QKV product (rope_on). Each has a lean kernel instance that carries no other's code (matvec1.cu keeps
-// general instances beside them, which decide RoPE and the SwiGLU staging at run time).
+// QKV product (rope_on). Each has a lean kernel instance that carries no other's code (matvec1.cu also builds
+// mid and general instances, which decide RoPE and / or the SwiGLU staging at run time: pick_instance).
 enum Epi : int { kEpiPlain = 0, kEpiGlu = 1, kEpiNorm = 2, kEpiArgmax = 3, kEpiRope = 4 };
 constexpr int kEpis = 5;
 
