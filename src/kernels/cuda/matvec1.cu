@@ -365,14 +365,17 @@ void prepare_one() {
                                                                      smem_bytes<F>((b + 1) * kKBucket)));
 }
 
-// An instance with both X, and for the plain epilogue the MB = 3 one (not for kRunRope: pick_instance sends
-// MB = 3 launches of the mid family to the general instance).
+// Whether an instance of epilogue e and run-time set run is also built with MB = 3: the plain ones, not
+// kRunRope (pick_instance sends MB = 3 launches of the mid family to the general instance).
+constexpr bool builds_mb3(int e, int run) { return e == kEpiPlain && run != kRunRope; }
+
+// An instance with both X, and its MB = 3 one where builds_mb3.
 template <int F, int E, bool G, int Run>
 void prepare_instance() {
   constexpr int MB = E == kEpiNorm ? 1 : 2;
   prepare_one<F, MB, E, false, G, Run>();
   prepare_one<F, MB, E, true, G, Run>();
-  if constexpr (E == kEpiPlain && Run != kRunRope) prepare_one<F, 3, kEpiPlain, false, G, Run>();
+  if constexpr (builds_mb3(E, Run)) prepare_one<F, 3, kEpiPlain, false, G, Run>();
 }
 
 template <int F>
@@ -399,7 +402,7 @@ using Mv1Kernel = void (*)(Mv1Args);
 template <int F, int E, bool G, int Run>
 Mv1Kernel instance(int mb, bool x) {
   constexpr int MB = E == kEpiNorm ? 1 : 2;
-  if constexpr (E == kEpiPlain && Run != kRunRope) {
+  if constexpr (builds_mb3(E, Run)) {
     if (mb == 3) return mv1_kernel<F, 3, kEpiPlain, false, G, Run>;
   }
   return x ? mv1_kernel<F, MB, E, true, G, Run> : mv1_kernel<F, MB, E, false, G, Run>;
