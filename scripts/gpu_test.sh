@@ -30,7 +30,8 @@ if has tests; then
   if MERLIN_CUDA_NORM_FOLD_MM=0 "$BIN"/cuda_backend_test --gtest_brief=1 --gtest_filter='CudaBackend.Logits*:CudaBackend.Paged*:CudaBackend.Greedy*' \
       >>"$OUT/tests.log" 2>&1; then log "PASS cuda_backend_test (MERLIN_CUDA_NORM_FOLD_MM=0)"; else log "FAIL cuda_backend_test (MERLIN_CUDA_NORM_FOLD_MM=0)"; status=1; fi
   # The test models' short FFN rows (768) have the down product compute SwiGLU while staging; rows over 4,096
-  # (iphone's) get the separate SwiGLU kernel instead: that path for the Q8_0-reading formats too.
+  # (iphone's) get the separate SwiGLU kernel instead: that path for the Q8_0-reading formats too; with it the
+  # gate/up products take the SwiGLU epilogue, so the single-token instance families are compared on it as well.
   if MERLIN_CUDA_GLU_STAGE=0 "$BIN"/cuda_backend_test --gtest_brief=1 --gtest_filter='CudaBackend.Logits*:CudaBackend.Greedy*:CudaBackend.Decode*:CudaBackend.SingleToken*' \
       >>"$OUT/tests.log" 2>&1; then log "PASS cuda_backend_test (MERLIN_CUDA_GLU_STAGE=0)"; else log "FAIL cuda_backend_test (MERLIN_CUDA_GLU_STAGE=0)"; status=1; fi
   # The batched SwiGLU epilogue runs by default only in steps of 17+ tokens over short rows: the backend's

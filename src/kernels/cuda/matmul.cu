@@ -119,22 +119,11 @@ size_t stage_limit(int nt) { return nt == 4 && nt4_capped() ? kStageMax[0] : kSt
 // H200, base tg128 x32 (2026-12-02, docs/BENCHMARKS.md, thirtieth session): q4_0 87.3-88.4k t/s with 0,
 // 91.7-93.1k with 15, 93.5-94.3k with 47; q8_0 84.1-85.0k with 0, 89.5-90.8k with 15, 89.2-89.8k with
 // 15 | 64; iphone q4_0 x32 -3.1 % with 16 | 4 (its Wo / down), -0.7 % with 16 | 1: hence the default 47.
-// 128: the 8-token store kernel is one instance for the plain and the Glu products (mm_kernel's G = 2: with
-// 8 set, a layer's Wo, gate/up and down run one function, whatever 32 / 64 say); 256 (with 128): that
-// instance also holds the RoPE epilogue (kEpMid), so that an 8-token QKV (MERLIN_CUDA_SMALL_SPLIT=2) runs it
-// too.
 constexpr bool ep_built(int f) { return f == kQ8_0 || f == kQ4_0; }
-int ep_mask() {
-  static const int mask = (int)env_int("MERLIN_CUDA_MM_EP", 47);
-  return mask;
-}
-bool store_shared() { return (ep_mask() & (8 | 128)) == (8 | 128); }
 int pick_epilogue(const MmArgs& p, int f) {
-  const int mask = ep_mask();
+  static const int mask = (int)env_int("MERLIN_CUDA_MM_EP", 47);
   if (p.fuse_prep || g_ep_off) return kEpAny;
-  const bool mid = store_shared() && (mask & 256) && !p.half_x && !p.argmax;
-  if (mid) return kEpMid;
-  if (p.glu_on) return mask & (f == kQ4_0 ? 32 : 64) || store_shared() ? kEpStore : kEpAny;
+  if (p.glu_on) return mask & (f == kQ4_0 ? 32 : 64) ? kEpStore : kEpAny;
   const int e = p.rope_on ? kEpRope : p.argmax ? kEpArgmax : kEpStore;
   const int bit = e == kEpRope ? 1 : e == kEpArgmax ? 2 : p.half_x ? 4 : 8;
   if (!(mask & bit) || (p.half_x && p.round != 2 && !(mask & 16))) return kEpAny;
@@ -147,10 +136,6 @@ int pick_epilogue(const MmArgs& p, int f) {
 template <int F, int NT, bool G>
 KernelFn pick_kernel(bool capped, bool x, int round, int e) {
   if constexpr (ep_built(F) && NT == 1) {
-    if (e == kEpMid)
-      return x ? mm_kernel<F, 1, 2, true, kRound, 2, 0, kEpMid> : mm_kernel<F, 1, 2, false, kRound, 2, 0, kEpMid>;
-    if (e == kEpStore && store_shared())
-      return x ? mm_kernel<F, 1, 2, true, kRound, 2, 0, kEpStore> : mm_kernel<F, 1, 2, false, kRound, 2, 0, kEpStore>;
     if (e == kEpStore) return x ? mm_kernel<F, 1, 2, true, kRound, G, 0, kEpStore>
                                 : mm_kernel<F, 1, 2, false, kRound, G, 0, kEpStore>;
   }
@@ -367,11 +352,7 @@ void allow_store_instances() {
     allow_smem({mm_kernel<F, 1, 2, false, kRound, false, 0, kEpStore>,
                 mm_kernel<F, 1, 2, true, kRound, false, 0, kEpStore>,
                 mm_kernel<F, 1, 2, false, kRound, true, 0, kEpStore>,
-                mm_kernel<F, 1, 2, true, kRound, true, 0, kEpStore>,
-                mm_kernel<F, 1, 2, false, kRound, 2, 0, kEpStore>,
-                mm_kernel<F, 1, 2, true, kRound, 2, 0, kEpStore>,
-                mm_kernel<F, 1, 2, false, kRound, 2, 0, kEpMid>,
-                mm_kernel<F, 1, 2, true, kRound, 2, 0, kEpMid>},
+                mm_kernel<F, 1, 2, true, kRound, true, 0, kEpStore>},
                kStageMax[nt_index(1)]);
 }
 

@@ -12,22 +12,14 @@ namespace {
 // from the instance (40-60 % of kEpAny's SASS; a kernel also gets registers for its most demanding path, the
 // k-loop's rounds in flight included: docs/GPU.md, "Epilogue instances"). kEpStore: y = or y += the product,
 // with or without the next RMSNorm's input (norm_on, still read at run time); with G, the Glu epilogue. Only
-// kEpAny instances hold the fused preparation (stage_prep, MmArgs::fuse_prep). kEpMid: RoPE or store (norm_on)
-// at run time, no argmax: the one 8-token kernel of a layer whose QKV runs 8-token CTAs too (with G = 2).
-enum Ep : int { kEpAny = 0, kEpRope = 1, kEpArgmax = 2, kEpStore = 3, kEpMid = 4 };
+// kEpAny instances hold the fused preparation (stage_prep, MmArgs::fuse_prep).
+enum Ep : int { kEpAny = 0, kEpRope = 1, kEpArgmax = 2, kEpStore = 3 };
 template <int E>
-__device__ __forceinline__ bool ep_rope(const MmArgs& p) {
-  return E == kEpAny || E == kEpMid ? p.rope_on != 0 : E == kEpRope;
-}
+__device__ __forceinline__ bool ep_rope(const MmArgs& p) { return E == kEpAny ? p.rope_on != 0 : E == kEpRope; }
 template <int E>
 __device__ __forceinline__ bool ep_argmax(const MmArgs& p) { return E == kEpAny ? p.argmax != nullptr : E == kEpArgmax; }
-// Whether a product runs the Glu epilogue: mm_kernel's G, 2 = as p.glu_on says.
-template <int G>
-__device__ __forceinline__ bool glu_of(const MmArgs& p) { return G == 1 || (G == 2 && p.glu_on); }
 template <int E>
-__device__ __forceinline__ int ep_norm(const MmArgs& p) {
-  return E == kEpAny || E == kEpStore || E == kEpMid ? p.norm_on : 0;
-}
+__device__ __forceinline__ int ep_norm(const MmArgs& p) { return E == kEpAny || E == kEpStore ? p.norm_on : 0; }
 
 // Sum of a tile's partials (warps grp * split .. + split - 1) of element (i, ln), in warp order: every
 // epilogue sums a tile in this order, so they all see the bits the plain product writes to y. The partials
@@ -345,12 +337,12 @@ __device__ __forceinline__ void finish_argmax_slots(const MmArgs& p, int warp, i
 // the outputs; group j of the CTA holds tile tile0 + j (with glu_on, reduce_glu's tiles of set `set`).
 // tok_scale (H kernels reading a deferred RMSNorm, else null): per token of the CTA, the factor 1 / rms
 // that its staged halves still lack; the partial sums take it before they meet (the sum is linear in x).
-template <int NT, int G, int E>
+template <int NT, bool G, int E>
 __device__ __forceinline__ void reduce_tiles(const MmArgs& p, int set, int64_t tile0, int tb, int warp, int lane,
                                              const float (&acc)[NT][4], float (*red)[NT * 4][32],
                                              unsigned long long* best, const float* tok_scale,
                                              const RopeSlot* targets) {
-  if constexpr (G != 1) {
+  if constexpr (!G) {
     if (argmax_in_pairs<E>(p)) return reduce_argmax_pair<NT>(p, tile0, warp, lane, acc, red, tok_scale);
   }
   if (tok_scale) {  // lane 4 g + t's tokens: 8 nt + 2 t and 8 nt + 2 t + 1
@@ -367,8 +359,7 @@ __device__ __forceinline__ void reduce_tiles(const MmArgs& p, int set, int64_t t
       for (int i = 0; i < 4; ++i) red[warp][nt * 4 + i][lane] = acc[nt][i];
   }
   __syncthreads();
-  if constexpr (G == 1) reduce_glu<NT>(p, set, tb, warp, lane, red);  // G = 1 builds no other epilogue
-  else if (glu_of<G>(p)) reduce_glu<NT>(p, set, tb, warp, lane, red);
+  if constexpr (G) reduce_glu<NT>(p, set, tb, warp, lane, red);
   else if (ep_norm<E>(p) == 2) reduce_norm_half<NT>(p, tile0, tb, warp, lane, red);
   else if (ep_norm<E>(p)) reduce_norm<NT>(p, tile0, tb, warp, lane, red);
   else reduce_plain<NT, E>(p, tile0, tb, warp, lane, red, best, targets);

@@ -15,9 +15,8 @@ namespace {
 // CTA at a time; short k (k = 768 in Q4_0 is 12 chunks: 3 rounds) gets split = 4 and two tiles at once, and
 // because a round's chunks go to the same warp position either way, the sums are bit-identical.
 // With G (matmul_swiglu) a set is half gate tiles (set * half + j) and half the same tiles of up (from
-// glu_up_tile); its kernels are separate instances, so the plain products keep their registers. G: 0 plain,
-// 1 Glu, 2 either (glu_of: p.glu_on at run time, the 8-token store kernel that plain and Glu products share).
-template <int G>
+// glu_up_tile); its kernels are separate instances, so the plain products keep their registers.
+template <bool G>
 struct Items {  // 32-bit and division-free: the 32-token kernel is short of registers
   int rounds, n, c_first, stride, groups, group;
   __device__ Items(const MmArgs& p, int warp) {
@@ -33,21 +32,21 @@ struct Items {  // 32-bit and division-free: the 32-token kernel is short of reg
 // Where a warp is in its item sequence: tile set and round.
 struct Cursor {
   int set, r;
-  template <int G>
+  template <bool G>
   __device__ int tile(const MmArgs& p, const Items<G>& it) const {
-    if (!glu_of<G>(p)) return set * it.groups + it.group;
+    if constexpr (!G) return set * it.groups + it.group;
     const int half = it.groups >> 1, j = it.group & (half - 1);
     return set * half + j + (it.group < half ? 0 : p.glu_up_tile);
   }
-  template <int G>
+  template <bool G>
   __device__ bool live(const MmArgs& p, const Items<G>& it) const {
-    if (!glu_of<G>(p)) return set * it.groups + it.group < (int)p.tiles;
+    if constexpr (!G) return set * it.groups + it.group < (int)p.tiles;
     const int half = it.groups >> 1;
     return set * half + (it.group & (half - 1)) < p.glu_tiles;
   }
-  template <int G>
+  template <bool G>
   __device__ int chunk(const Items<G>& it) const { return it.c_first + r * it.stride; }
-  template <int G>
+  template <bool G>
   __device__ Cursor next(const Items<G>& it) const {
     return r + 1 == it.rounds ? Cursor{set + (int)gridDim.x, 0} : Cursor{set, r + 1};
   }
@@ -56,7 +55,7 @@ struct Cursor {
 // Item i at cursor c: requests item i + 1 into `next`, computes `cur`, reduces the tiles after their last
 // round, and moves c on.
 // With X a round past the end of k (a warp whose share of a short row ends early) is skipped whole.
-template <int F, int R, int NT, bool X, int G, int H, int E>
+template <int F, int R, int NT, bool X, bool G, int H, int E>
 __device__ __forceinline__ void run_item(const MmArgs& p, const XView& x, const Items<G>& it, int i, Cursor& c,
                                          const Round<F, R>& cur, Round<F, R>& next, int tb, int warp, int lane,
                                          float (&acc)[NT][4], float (*red)[NT * 4][32], unsigned long long* best,
@@ -117,22 +116,22 @@ __device__ __forceinline__ void tok_scales(const MmArgs& p, int tb, int warp, in
 // needs 136-182 registers uncapped and is built both ways: capped by default (batch-32 decode on the H200:
 // base f16 24.4k -> 37.0k t/s, q4_0 37.0k -> 42.0k, macbook q4_0 2.89k -> 3.29k; docs/GPU.md), uncapped
 // with MERLIN_CUDA_NT4_CAP=0 for A/B timing. R: chunks per round (p.round), 4 or 2 (short_rounds_fmt).
-// G: the Glu epilogue (matmul_swiglu, reduce_glu; y is not written): 0 off, 1 on, 2 at run time (Items). H: half activations (half_operand), 1
+// G: the Glu epilogue (matmul_swiglu, reduce_glu); y is not written. H: half activations (half_operand), 1
 // read from global memory, 2 staged in shared memory: a template value rather than p.stage_x, so that the
 // compiler sees the staged plane's pointer come from shared memory only and loads it with ld.shared. E: the
 // epilogues built in (Ep: any, or one kind; pick_epilogue in matmul.cu).
-template <int F, int NT, int MinBlocks = NT == 4 ? 1 : 2, bool X = false, int R = kRound, int G = 0,
+template <int F, int NT, int MinBlocks = NT == 4 ? 1 : 2, bool X = false, int R = kRound, bool G = false,
           int H = 0, int E = kEpAny>
 __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ __align__(16) float red[kWarps][NT * 4][32];
   __shared__ unsigned long long best[8 * NT];  // matmul_argmax (the first reduction's barrier orders the zeros)
   __shared__ float tok_scale[H ? 8 * NT : 1];  // H with a deferred RMSNorm: its 1 / rms per token
-  __shared__ RopeSlot targets[G == 1 ? 1 : 8 * NT];  // rope_on: each token's K/V slot and cos / sin row
+  __shared__ RopeSlot targets[G ? 1 : 8 * NT];  // rope_on: each token's K/V slot and cos / sin row
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int tb = blockIdx.y * 8 * NT;
   if (threadIdx.x < 8 * NT) best[threadIdx.x] = 0ull;
-  if (G != 1 && argmax_in_pairs<E>(p)) {  // each owning lane's slots (reduce_argmax_pair); nothing else uses red yet
+  if (!G && argmax_in_pairs<E>(p)) {  // each owning lane's slots (reduce_argmax_pair); nothing else uses red yet
     unsigned long long* slots = argmax_slots<NT>(red, warp);
     for (int s = 0; s < 2 * NT; ++s) slots[s * 32 + lane] = 0ull;
   }
@@ -146,7 +145,7 @@ __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
   // by the last warp, not per element after the k-loop (MmArgs::rope_early). Positions, sequences and block
   // tables are written before the step's first kernel, never by a kernel (as the attention kernel relies on
   // too), so they may be read before the wait; the first reduction's barrier orders the shared writes.
-  const bool rope_warp = G != 1 && ep_rope<E>(p) && warp == kWarps - 1 && lane < 8 * NT && tb + lane < p.n;
+  const bool rope_warp = !G && ep_rope<E>(p) && warp == kWarps - 1 && lane < 8 * NT && tb + lane < p.n;
   auto look_up_rope = [&] {
     const RopeTarget t = rope_target(p.rope, tb + lane);
     targets[lane] = RopeSlot{t.slot, t.cs};
@@ -175,7 +174,7 @@ __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
     if (i + 1 < it.n)
       run_item<F, R, NT, X, G, H, E>(p, x, it, i + 1, c, rb, ra, tb, warp, lane, acc, red, best, scale, targets);
   }
-  if (G != 1 && argmax_in_pairs<E>(p)) {  // no CTA barrier since the zeros of best: one before, one after
+  if (!G && argmax_in_pairs<E>(p)) {  // no CTA barrier since the zeros of best: one before, one after
     __syncthreads();
     finish_argmax_slots<NT>(p, warp, lane, red, best);
     __syncthreads();

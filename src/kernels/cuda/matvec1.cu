@@ -232,15 +232,11 @@ __device__ __forceinline__ void publish_argmax(const Mv1Args& p, unsigned long l
 
 // G: the row is staged as SwiGLU of the gate/up row (stage_x). Run: what the instance decides at run time,
 // kRunRope (RoPE by p.rope_on) and kRunGlu (the SwiGLU staging by p.glu_src); kRunAll is the general instance
-// every launch took before the thirty-first session (instance families: pick_instance). kRunPair: a plain
-// instance that runs RoPE (p.rope_on) or the SwiGLU epilogue (p.glu_tiles > 0) at run time, the one kernel of
-// the pair family's QKV and gate/up products.
-enum Run : int { kRunNone = 0, kRunRope = 1, kRunGlu = 2, kRunAll = 3, kRunPair = 5 };
+// every launch took before the thirty-first session (instance families: pick_instance).
+enum Run : int { kRunNone = 0, kRunRope = 1, kRunGlu = 2, kRunAll = 3 };
 template <int F, int MB, int E, bool X, bool G, int Run>
 __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
-  constexpr bool Norm = E == kEpiNorm, Argmax = E == kEpiArgmax;
-  static_assert(Run != kRunPair || E == kEpiPlain, "mv1_kernel: the pair instance is a plain one");
-  const bool Glu = E == kEpiGlu || (Run == kRunPair && p.glu_tiles > 0);
+  constexpr bool Glu = E == kEpiGlu, Norm = E == kEpiNorm, Argmax = E == kEpiArgmax;
   constexpr int R = E == kEpiRope ? 1 : (Run & kRunRope) ? 2 : 0;
   unsigned long long best = 0ull;
   constexpr int W = warps_of(E);
@@ -256,12 +252,12 @@ __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
   const int n_items = my_groups * p.rounds;
   const int half = tpg >> 1;
   auto tile_of = [&](const Cursor& c) {
-    if (Glu) return slot < half ? c.grp * half + slot : p.glu_up_tile + c.grp * half + slot - half;
+    if constexpr (Glu) return slot < half ? c.grp * half + slot : p.glu_up_tile + c.grp * half + slot - half;
     return c.grp * tpg + slot;
   };
   auto chunk_of = [&](const Cursor& c) { return (sub + c.r * S) * kRound; };
   auto nc_of = [&](const Cursor& c) {
-    if (Glu) return c.grp * half + (slot < half ? slot : slot - half) < p.glu_tiles ? p.n_chunks : 0;
+    if constexpr (Glu) return c.grp * half + (slot < half ? slot : slot - half) < p.glu_tiles ? p.n_chunks : 0;
     return tile_of(c) < p.tiles ? p.n_chunks : 0;
   };
 
@@ -301,7 +297,7 @@ __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
     if (i + 1 < n_items) load_round<F, X>(p, tile_of(nx), chunk_of(nx), nc_of(nx), lane, next);
     compute_round<F, X>(p, now, chunk_of(cur), nc_of(cur), xq, xs, t, acc0, acc1);
     if (cur.r == p.rounds - 1) {
-      if (Glu) finish_glu(p, cur.grp, warp, lane, acc0, acc1, red[parity]);
+      if constexpr (Glu) finish_glu(p, cur.grp, warp, lane, acc0, acc1, red[parity]);
       else finish_group<Norm, W, Argmax, R>(p, cur.grp, warp, lane, acc0, acc1, red[parity], at, early, res0, res1, nw, best);
       early = false;
       if constexpr (Norm) {
@@ -350,9 +346,9 @@ struct Key {  // the instance a launch takes (kernel_of)
   bool x, g;
   int run;
 };
-constexpr int kVariants = 2 * kEpis * 2 * 2 * 8;
+constexpr int kVariants = 2 * kEpis * 2 * 2 * 4;
 constexpr int variant_of(const Key& k) {
-  return ((((k.mb == 3 ? 1 : 0) * kEpis + k.epi) * 2 + (k.x ? 1 : 0)) * 2 + (k.g ? 1 : 0)) * 8 + k.run;
+  return ((((k.mb == 3 ? 1 : 0) * kEpis + k.epi) * 2 + (k.x ? 1 : 0)) * 2 + (k.g ? 1 : 0)) * 4 + k.run;
 }
 
 // CTAs per SM of each variant for rows up to (bucket + 1) * kKBucket, [F][variant][bucket].
@@ -371,7 +367,7 @@ void prepare_one() {
 
 // Whether an instance of epilogue e and run-time set run is also built with MB = 3: the plain ones, not
 // kRunRope (pick_instance sends MB = 3 launches of the mid family to the general instance).
-constexpr bool builds_mb3(int e, int run) { return e == kEpiPlain && run != kRunRope && run != kRunPair; }
+constexpr bool builds_mb3(int e, int run) { return e == kEpiPlain && run != kRunRope; }
 
 // An instance with both X, and its MB = 3 one where builds_mb3.
 template <int F, int E, bool G, int Run>
@@ -395,7 +391,6 @@ void prepare() {
   }
   prepare_instance<F, kEpiPlain, false, kRunRope>();  // mid
   prepare_instance<F, kEpiNorm, false, kRunGlu>();
-  prepare_instance<F, kEpiPlain, false, kRunPair>();  // pair
   prepare_instance<F, kEpiPlain, false, kRunAll>();  // general
   prepare_instance<F, kEpiGlu, false, kRunAll>();
   prepare_instance<F, kEpiArgmax, false, kRunAll>();
@@ -419,7 +414,6 @@ Mv1Kernel kernel_of(const Key& k) {
   switch (k.run) {
     case kRunRope: return instance<F, kEpiPlain, false, kRunRope>(k.mb, k.x);
     case kRunGlu: return instance<F, kEpiNorm, false, kRunGlu>(k.mb, k.x);
-    case kRunPair: return instance<F, kEpiPlain, false, kRunPair>(k.mb, k.x);
     case kRunAll:
       switch (k.epi) {
         case kEpiGlu: return instance<F, kEpiGlu, false, kRunAll>(k.mb, k.x);
@@ -449,21 +443,18 @@ Mv1Kernel kernel_of(const Key& k) {
 // 1,047 / 1,047, mxfp4 1,004 / 978 / 986, tq2_0 1,381 / 1,399 / 1,399; macbook q4_0 762 / 756 / 743, q8_0 466 /
 // 464 / 462. Where the gate/up product runs the SwiGLU epilogue (iphone, macbook) the lean family already
 // has three kernels per layer, the Wo and down products sharing the lean Norm instance.
-// pair: lean, but the QKV and gate/up products share the kRunPair instance (iphone, macbook: 2 kernels per
-// layer where lean has 3).
-enum Family : int { kLean = 0, kMid = 1, kGeneral = 2, kPair = 3 };
+enum Family : int { kLean = 0, kMid = 1, kGeneral = 2 };
 int family_default(int f, int64_t k) {
   if (f == kQ4_0 || f == kQ8_0 || f == kMXFP4) return k < 3072 ? kMid : kLean;
   if (f == kQ4_K) return kLean;
   return kGeneral;
 }
-// MERLIN_CUDA_MV1_FAMILY=lean|mid|general|pair (read once) overrides family_default for every product.
+// MERLIN_CUDA_MV1_FAMILY=lean|mid|general (read once) overrides family_default for every product.
 int g_family_override = -1;  // set_matvec1_instances (tests)
 int family_of(int f, int64_t k) {
   static const int env = env_is("MERLIN_CUDA_MV1_FAMILY", "lean")      ? kLean
                          : env_is("MERLIN_CUDA_MV1_FAMILY", "mid")     ? kMid
                          : env_is("MERLIN_CUDA_MV1_FAMILY", "general") ? kGeneral
-                         : env_is("MERLIN_CUDA_MV1_FAMILY", "pair")    ? kPair
                                                                        : -1;
   return g_family_override >= 0 ? g_family_override : env >= 0 ? env : family_default(f, k);
 }
@@ -478,7 +469,6 @@ Key pick_instance(int f, int mb, int epi, bool x, bool g, int64_t k) {
     return Key{mb, epi == kEpiRope ? kEpiPlain : epi, x, false, kRunAll};
   if (fam == kMid && plain_like) return Key{mb, kEpiPlain, x, false, kRunRope};
   if (fam == kMid && epi == kEpiNorm) return Key{mb, kEpiNorm, x, false, kRunGlu};
-  if (fam == kPair && mb != 3 && !g && (plain_like || epi == kEpiGlu)) return Key{mb, kEpiPlain, x, false, kRunPair};
   return Key{mb, epi, x, g, kRunNone};
 }
 

@@ -232,7 +232,7 @@ void set_matmul_shape(int split, int nt);
 // the per-matrix choice.
 void set_matvec1_split(int lsplit);
 // Tests: the instance family of every single-token product (matvec1.cu, pick_instance: 0 lean, 1 mid,
-// 2 general, 3 pair); -1 restores the per-format default. All must give the same bits.
+// 2 general); -1 restores the per-format default. All must give the same bits.
 void set_matvec1_instances(int family);
 
 // ---- prefill-sized products through cuBLAS (gemm.cu) ----
