@@ -441,8 +441,10 @@ Mv1Kernel kernel_of(const Key& k) {
 // 4,600 / 5,517 / 4,953 t/s, q8_0 4,847 / 5,011 / 4,525, mxfp4 3,723 / 4,386 / 4,231, q4_k 3,821 / 3,792 /
 // 3,786, tq2_0 3,899 / 4,009 / 4,005; iphone q4_0 1,287 / 1,234 / 1,212, q8_0 869 / 855 / 844, q4_k 1,068 /
 // 1,047 / 1,047, mxfp4 1,004 / 978 / 986, tq2_0 1,381 / 1,399 / 1,399; macbook q4_0 762 / 756 / 743, q8_0 466 /
-// 464 / 462. Where the gate/up product runs the SwiGLU epilogue (iphone, macbook) the lean family already
-// has three kernels per layer, the Wo and down products sharing the lean Norm instance.
+// 464 / 462. On macbook the gate/up product runs the SwiGLU epilogue, so the lean family already has three
+// product kernels per layer, the Wo and down products sharing the lean Norm instance; iphone's gate/up (S = 4,
+// too many warps per tile for the epilogue) is a plain product followed by a SwiGLU kernel, where the mid
+// family's sharing of the plain instance with QKV lost all the same.
 enum Family : int { kLean = 0, kMid = 1, kGeneral = 2 };
 int family_default(int f, int64_t k) {
   if (f == kQ4_0 || f == kQ8_0 || f == kMXFP4) return k < 3072 ? kMid : kLean;
