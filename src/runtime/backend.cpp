@@ -25,6 +25,20 @@ int Backend::decode_greedy(int32_t token, int32_t pos, int seq, int n_steps, int
   return n_steps;
 }
 
+void Backend::decode_greedy_batch(std::span<const int32_t> tokens, std::span<const int32_t> pos,
+                                  std::span<const int32_t> seqs, int n_steps, int64_t n_vocab, int32_t* ids) {
+  const size_t n = tokens.size();
+  MERLIN_CHECK(pos.size() == n && seqs.size() == n, "decode_greedy_batch: ", n, " tokens, ", pos.size(),
+               " positions, ", seqs.size(), " sequences");
+  Batch batch;
+  for (int i = 0; i < n_steps; ++i) {
+    batch.clear();
+    for (size_t r = 0; r < n; ++r)
+      batch.add(i == 0 ? tokens[r] : ids[(size_t)(i - 1) * n + r], pos[r] + i, seqs[r], true);
+    forward_greedy(batch, n_vocab, ids + (size_t)i * n);
+  }
+}
+
 int Backend::decode_sample(int32_t token, int32_t pos, int seq, std::span<const RowSampling> rows, int64_t n_vocab,
                            const std::function<bool(int32_t)>& on_token) {
   Batch batch;

@@ -100,6 +100,13 @@ class Backend {
   // with the draws on the device.
   virtual int decode_sample(int32_t token, int32_t pos, int seq, std::span<const RowSampling> rows,
                             int64_t n_vocab, const std::function<bool(int32_t)>& on_token);
+  // Greedy decoding of n sequences together (n = tokens.size(), rows r of pos and seqs alike): step 0 feeds
+  // tokens[r] at pos[r] of seqs[r] for every row, step i > 0 feeds row r's step i - 1 greedy id at pos[r] + i,
+  // for n_steps steps (every position must be valid). ids receives n_steps x n ids, step-major: the same ids
+  // as forward_greedy step by step. The default runs forward_greedy per step; the CUDA backend runs loops of
+  // steps on the device (as decode_greedy does for one sequence), without a host round trip per step.
+  virtual void decode_greedy_batch(std::span<const int32_t> tokens, std::span<const int32_t> pos,
+                                   std::span<const int32_t> seqs, int n_steps, int64_t n_vocab, int32_t* ids);
   // Whether decode_greedy / decode_sample run their steps without a host round trip per token (the CUDA
   // backend's loops). The server then decodes a lone sequence through them (EngineOptions::decode_loop).
   virtual bool loops_decode() const { return false; }

@@ -62,17 +62,19 @@ double run_tg(const Model& m, Backend& b, const std::vector<int32_t>& tokens, bo
   return (double)tokens.size() / (now_seconds() - t0);
 }
 
-// B sequences decode N tokens together: step i feeds token i of every sequence at position i.
+// B sequences decode N tokens together greedily from B different first tokens (decode_greedy_batch: step i
+// feeds every sequence's step i - 1 id at position i; the CUDA backend runs the steps in device-side loops, as
+// decode_greedy does for the batch-1 row).
 double run_tg_batch(Backend& b, const std::vector<int32_t>& tokens, int n_seqs, size_t vocab) {
-  std::vector<int32_t> next((size_t)n_seqs);
-  Batch batch;
-  for (int s = 0; s < n_seqs; ++s) b.clear_sequence(s);
-  const double t0 = now_seconds();
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    batch.clear();
-    for (int s = 0; s < n_seqs; ++s) batch.add(tokens[(i + (size_t)s) % tokens.size()], (int)i, s, true);
-    b.forward_greedy(batch, (int64_t)vocab, next.data());
+  std::vector<int32_t> first((size_t)n_seqs), pos((size_t)n_seqs, 0), seqs((size_t)n_seqs);
+  std::vector<int32_t> ids(tokens.size() * (size_t)n_seqs);
+  for (int s = 0; s < n_seqs; ++s) {
+    b.clear_sequence(s);
+    first[(size_t)s] = tokens[(size_t)s % tokens.size()];
+    seqs[(size_t)s] = s;
   }
+  const double t0 = now_seconds();
+  b.decode_greedy_batch(first, pos, seqs, (int)tokens.size(), (int64_t)vocab, ids.data());
   return (double)tokens.size() * n_seqs / (now_seconds() - t0);
 }
 

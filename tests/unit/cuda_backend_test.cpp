@@ -513,6 +513,58 @@ TEST(CudaBackend, DecodeGreedyLoopsMatchSingleSteps) {
   }
 }
 
+// decode_greedy_batch runs n rows' steps in device-side loops (cuda_batch_loop.cpp), each step's tokens the
+// previous step's ids on the device: the same ids as forward_greedy of the same rows step by step
+// (MERLIN_CUDA_CHAIN=0), for 3 and 32 sequences at different positions (prompts of 200 + 3r tokens) decoding
+// past 256, where the attention starts to split and a loop stops, with the argmax in the head's product (Q4_0)
+// or after it (BF16), loops of 16 (2 per iteration) and of 64 (8 per iteration, long_decode).
+TEST(CudaBackend, DecodeGreedyBatchLoopsMatchSingleSteps) {
+  REQUIRE_GPU();
+  test::TempDir dir;
+  const std::string f32 = dir.file("bchain-f32.gguf");
+  write_tiny_model(*Model::load(kDefaultModel), 640, 7, f32);
+  for (DType t : {DType::Q4_0, DType::BF16}) {
+    const std::string path = dir.file(std::string("bchain-") + dtype_name(t) + ".gguf");
+    quantize_to(f32, path, t);
+    auto m = Model::load(path);
+    const int64_t vocab = m->config().vocab_size;
+    for (auto [n, long_decode] : {std::pair{3, false}, std::pair{32, true}, std::pair{32, false}}) {
+      SCOPED_TRACE(std::string(dtype_name(t)) + " rows " + std::to_string(n) + (long_decode ? " long_decode" : ""));
+      ::setenv("MERLIN_CUDA_CHAIN", "0", 1);
+      auto single = make_backend("cuda", *m, opts_with(n));
+      ::unsetenv("MERLIN_CUDA_CHAIN");
+      BackendOptions lo = opts_with(n);
+      lo.long_decode = long_decode;
+      auto looped = make_backend("cuda", *m, lo);
+      std::vector<int32_t> first((size_t)n), pos((size_t)n), seqs((size_t)n);
+      for (int r = 0; r < n; ++r) {
+        std::vector<int32_t> prompt((size_t)(200 + 3 * r));
+        for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = (int32_t)((i * 7919 + 13 * r + 5) % (size_t)vocab);
+        for (Backend* b : {single.get(), looped.get()}) {
+          std::vector<float> row = prefill(*m, *b, prompt, r, 0, false);
+          first[(size_t)r] = argmax(row.data(), vocab);
+        }
+        pos[(size_t)r] = (int32_t)prompt.size();
+        seqs[(size_t)r] = r;
+      }
+      const int steps = 75;
+      std::vector<int32_t> want((size_t)steps * n), got((size_t)steps * n, -1);
+      std::vector<int32_t> cur = first;
+      for (int i = 0; i < steps; ++i) {
+        Batch batch;
+        for (int r = 0; r < n; ++r) batch.add(cur[(size_t)r], pos[(size_t)r] + i, r, true);
+        single->forward_greedy(batch, vocab, want.data() + (size_t)i * n);
+        std::copy(want.begin() + (ptrdiff_t)i * n, want.begin() + (ptrdiff_t)(i + 1) * n, cur.begin());
+      }
+      testing::internal::CaptureStderr();
+      looped->decode_greedy_batch(first, pos, seqs, steps, vocab, got.data());
+      EXPECT_EQ(testing::internal::GetCapturedStderr().find("loops unavailable"), std::string::npos);
+      EXPECT_EQ(got, want);
+      EXPECT_GT(std::set<int32_t>(want.begin(), want.end()).size(), 8u);  // not one token repeated
+    }
+  }
+}
+
 // decode_sample loops over the draws as well (sample_rows on the device in each step): the same ids as
 // forward_sample step by step, also when a draw in the middle of a loop is one the device leaves to the host
 // (top-k 2,000 keeps more candidates than it collects): the loop stops there, that step runs again through

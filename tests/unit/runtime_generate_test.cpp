@@ -357,3 +357,35 @@ TEST(Generate, ForwardGreedyOfManySequencesIsArgmaxOfLogitsQuantizedHead) {
   quantize_model(std::string(MERLIN_SOURCE_DIR) + "/models/merlin-default.gguf", q4, qo);
   check_greedy_of_many_sequences(q4);
 }
+
+// Backend::decode_greedy_batch (the CPU backend's default): rows at different positions decode together, each
+// step feeding the row's previous id, the same ids as forward_greedy of the same rows step by step; mismatched
+// row counts are refused.
+TEST(Generate, DecodeGreedyBatchDefaultIsForwardGreedyPerStep) {
+  auto m = Model::load(std::string(MERLIN_SOURCE_DIR) + "/models/merlin-default.gguf");
+  BackendOptions bo;
+  bo.n_threads = 2;
+  bo.n_seq = 3;
+  auto a = make_cpu_backend(*m, bo), b = make_cpu_backend(*m, bo);
+  const int64_t vocab = m->config().vocab_size;
+  const std::vector<int32_t> first{11, 222, 3333}, pos{0, 4, 9}, seqs{0, 1, 2};
+  for (Backend* be : {a.get(), b.get()})  // rows 1 and 2 start after a few cached positions
+    for (int s = 1; s < 3; ++s)
+      for (int p = 0; p < pos[(size_t)s]; ++p) {
+        Batch pre;
+        pre.add(50 + p, p, s, false);
+        std::vector<float> none;
+        be->forward(pre, none.data());
+      }
+  const int steps = 5;
+  std::vector<int32_t> want((size_t)steps * 3), got((size_t)steps * 3, -1), cur = first;
+  for (int i = 0; i < steps; ++i) {
+    Batch batch;
+    for (int r = 0; r < 3; ++r) batch.add(cur[(size_t)r], pos[(size_t)r] + i, seqs[(size_t)r], true);
+    a->forward_greedy(batch, vocab, want.data() + (size_t)i * 3);
+    std::copy(want.begin() + i * 3, want.begin() + (i + 1) * 3, cur.begin());
+  }
+  b->decode_greedy_batch(first, pos, seqs, steps, vocab, got.data());
+  EXPECT_EQ(got, want);
+  EXPECT_THROW(b->decode_greedy_batch(first, std::vector<int32_t>{0, 1}, seqs, steps, vocab, got.data()), Error);
+}

@@ -36,6 +36,21 @@ __device__ int32_t chain_step_token(const PrepArgs& p) {
   return prev;
 }
 
+// A batched decode loop's step (PrepArgs::bchain): row t's first CTA records the row's previous id (this
+// step's token) and its next position; row 0's also counts the step and sets the loop's condition. Nothing it
+// writes is read by this step's kernels (BatchChainState: the other parity, and ids only the host reads).
+__device__ void batch_chain_step(const PrepArgs& p, int t) {
+  if (blockIdx.y != 0 || threadIdx.x != 0) return;
+  BatchChainState* st = p.bchain;
+  const int slot = p.chain_slot, i = st->i_[slot];
+  if (i > 0) st->ids[i - 1][t] = st->tokens[t];
+  st->pos[slot ^ 1][t] = st->pos[slot][t] + 1;
+  if (t == 0) {
+    st->i_[slot ^ 1] = i + 1;
+    cudaGraphSetConditional(static_cast<cudaGraphConditionalHandle>(p.chain_handle), i + 1 < st->k ? 1u : 0u);
+  }
+}
+
 template <int Kind, int Mode>
 __global__ void __launch_bounds__(kPrepThreads) prep_kernel(PrepArgs p, ActBuf o) {
   __shared__ double sh[kPrepThreads / 32];
@@ -50,6 +65,7 @@ __global__ void __launch_bounds__(kPrepThreads) prep_kernel(PrepArgs p, ActBuf o
   pdl_wait();
   if constexpr (Mode == (int)Prep::RmsNorm) {
     if (p.d_tokens) {  // the first layer: x is the token's embedding row, written here too (embed_kernel's values)
+      if (p.bchain) batch_chain_step(p, t);
       int32_t token = p.chain ? chain_step_token(p) : p.d_tokens[t];
       if (token < 0 || token >= p.embd_rows) token = 0;
       const uint8_t* row = p.embd + (size_t)token * p.embd_row_bytes;
@@ -149,6 +165,8 @@ void prep_act(const PrepArgs& p, int n, ActBuf& out, Stream s) {
                "prep_act: embedding rows need an RmsNorm of rows t, the table and the residual rows");
   MERLIN_CHECK(n <= out.n_cap, "prep_act: ", n, " rows exceed the buffer's ", out.n_cap);
   MERLIN_CHECK(!p.chain || (p.d_tokens && n == 1), "prep_act: a decode loop's step is one embedding row");
+  MERLIN_CHECK(!p.bchain || (p.d_tokens && !p.chain && n <= kBatchChainRows),
+               "prep_act: a batched decode loop's step is up to ", kBatchChainRows, " embedding rows");
   switch (out.kind) {
     case ActKind::F32: launch_prep<0>(p, n, out, s); break;
     case ActKind::Q8_0: launch_prep<1>(p, n, out, s); break;

@@ -155,6 +155,9 @@ CudaBackend::CudaBackend(const Model& model, const BackendOptions& opts) : m_(mo
     MERLIN_CUDA_CHECK(cudaMallocHost(&h_chain_, sizeof(cuda::ChainState)));
     std::memset(static_cast<void*>(h_chain_), 0, sizeof(cuda::ChainState));
     d_chain_ = static_cast<cuda::ChainState*>(cuda::dev_alloc(sizeof(cuda::ChainState)));
+    MERLIN_CUDA_CHECK(cudaMallocHost(&h_bchain_, sizeof(cuda::BatchChainState)));
+    std::memset(static_cast<void*>(h_bchain_), 0, sizeof(cuda::BatchChainState));
+    d_bchain_ = static_cast<cuda::BatchChainState*>(cuda::dev_alloc(sizeof(cuda::BatchChainState)));
   }
   d_ids_ = dev_array<int32_t>(B);
   d_keys_ = dev_array<unsigned long long>(B);
@@ -214,6 +217,10 @@ CudaBackend::~CudaBackend() {
       if (l.exec) cudaGraphExecDestroy(l.exec);
       if (l.graph) cudaGraphDestroy(l.graph);
     }
+  for (auto& [key, l] : batch_loops_) {
+    if (l.exec) cudaGraphExecDestroy(l.exec);
+    if (l.graph) cudaGraphDestroy(l.graph);
+  }
   gemm_.reset();
   auto free_linear = [](Linear& l) {
     for (Matrix& m : l.mats) cuda::free_matrix(m);
@@ -239,6 +246,8 @@ CudaBackend::~CudaBackend() {
   cudaFreeHost(h_in_);
   cudaFreeHost(h_chain_);
   cuda::dev_free(d_chain_);
+  cudaFreeHost(h_bchain_);
+  cuda::dev_free(d_bchain_);
   cudaFreeHost(h_logits_);
   cudaFreeHost(h_ids_);
   cudaFreeHost(h_rows_);

@@ -24,10 +24,11 @@
 // node fills from pinned host memory. MERLIN_CUDA_GRAPHS=0 turns graphs off. Kernels use programmatic
 // dependent launch inside graphs only (cuda_api.h, PdlScope). Decoding one sequence (decode_greedy,
 // decode_sample) runs up to 16 one-token steps per graph launch in a device-side loop (a while node over two
-// steps, the bookkeeping in the first layer's preparation): no token goes through the host in between.
+// steps, the bookkeeping in the first layer's preparation): no token goes through the host in between;
+// several sequences decoding greedily together (decode_greedy_batch) loop the same way.
 //
-// The class is shared by cuda_backend.cpp (set-up, steps, sampling) and cuda_forward.cpp (the layers of a
-// step, enqueue); internal to the CUDA backend.
+// The class is shared by cuda_backend.cpp (set-up, steps, sampling), cuda_forward.cpp (the layers of a
+// step, enqueue) and cuda_batch_loop.cpp (the batched decode loops); internal to the CUDA backend.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -94,6 +95,8 @@ class CudaBackend final : public Backend {
                     const std::function<bool(int32_t)>& on_token) override;
   int decode_sample(int32_t token, int32_t pos, int seq, std::span<const RowSampling> rows, int64_t n_vocab,
                     const std::function<bool(int32_t)>& on_token) override;
+  void decode_greedy_batch(std::span<const int32_t> tokens, std::span<const int32_t> pos,
+                           std::span<const int32_t> seqs, int n_steps, int64_t n_vocab, int32_t* ids) override;
   bool loops_decode() const override { return chain_max_ >= 2; }
   void clear_sequence(int seq) override {
     MERLIN_CHECK(seq >= 0 && seq < n_seq_, "sequence ", seq, " out of range");  // cached rows are overwritten
@@ -130,6 +133,7 @@ class CudaBackend final : public Backend {
     int32_t* ids = nullptr;             // argmax_rows' output (null: d_ids_)
     bool copy_out = true;               // queue the result's copy to pinned host memory
     cuda::ChainState* chain = nullptr;  // a decode loop's step (PrepArgs::chain): handle, key slot
+    cuda::BatchChainState* bchain = nullptr;  // a batched decode loop's step (PrepArgs::bchain)
     unsigned long long chain_handle = 0;
     int chain_slot = 0;
   };
@@ -166,6 +170,17 @@ class CudaBackend final : public Backend {
   // Runs k steps from (token, pos, seq) in one loop launch; ids gets the steps' ids, ending early at a
   // negative one (a draw left to the host). rows: the k steps' draws, or null (greedy). Returns the ids got.
   int run_loop(int32_t token, int32_t pos, int seq, int k, const RowSampling* rows, int32_t* ids);
+  // Batched decode loops (decode_greedy_batch, cuda_batch_loop.cpp): one graph per (rows, attention class)
+  // whose while node runs loop_unroll_ steps of n rows per iteration from the BatchChainState; a launch runs
+  // k steps and copies the state (the ids) back.
+  cuda::BatchChainState* h_bchain_ = nullptr;  // pinned
+  cuda::BatchChainState* d_bchain_ = nullptr;
+  std::map<std::pair<int, int>, Loop> batch_loops_;
+  cudaGraphExec_t batch_loop_graph(int n, int attn_class);
+  // Runs k steps of the rows (tokens: their step-0 tokens, at pos[r] + from) in one loop launch; ids gets
+  // k x n ids. False (nothing run) where the loop graph cannot be built.
+  bool run_batch_loop(std::span<const int32_t> tokens, std::span<const int32_t> pos, std::span<const int32_t> seqs,
+                      int from, int k, int32_t* ids);
   // decode_greedy (rows null) and decode_sample through loops.
   int decode_looped(int32_t token, int32_t pos, int seq, int n_steps, const RowSampling* rows,
                     const std::function<bool(int32_t)>& on_token);

@@ -252,6 +252,8 @@ void CudaBackend::enqueue(int n, int n_out, Output out, const StepIo& io) {
   // prep_act (not with products that prepare their own input, MERLIN_CUDA_FUSE=1).
   const bool embed_in_prep = embed_fuse_ && !fuse_prep_ && !layers_.empty();
   MERLIN_CHECK(!io.chain || (embed_in_prep && n == 1), "internal: a decode loop's step needs the fused embedding");
+  MERLIN_CHECK(!io.bchain || (embed_in_prep && n <= cuda::kBatchChainRows && n_out == n && out == Output::GreedyIds),
+               "internal: a batched decode loop's step needs the fused embedding and greedy ids of every row");
   if (!embed_in_prep)
     queue(kEmbed, [&] { return cuda::embed(e.type, embd_, e.row_bytes, c_.dim, tokens, n, x_, stream_), true; });
   const int hd = (int)c_.head_dim();
@@ -273,6 +275,7 @@ void CudaBackend::enqueue(int n, int n_out, Output out, const StepIo& io) {
       norm.chain = io.chain;
       norm.chain_handle = io.chain_handle;
       norm.chain_slot = io.chain_slot;
+      norm.bchain = io.bchain;
     }
     const cuda::KvArgs kv{L.k, L.v, kv_elem_ == 2, block_size_, max_blocks_, table_, kv_q8_, L.ks, L.vs};
     stage_ = kQkv;

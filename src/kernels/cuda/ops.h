@@ -23,7 +23,8 @@ struct CUstream_st;
 namespace merlin::cuda {
 
 using Stream = CUstream_st*;
-struct ChainState;  // decode loops, below
+struct ChainState;       // decode loops, below
+struct BatchChainState;  // batched decode loops, below
 
 // ---- device memory ----
 void* dev_alloc(size_t bytes);  // zero-filled; throws merlin::Error when out of memory
@@ -110,6 +111,10 @@ struct PrepArgs {
   ChainState* chain = nullptr;
   unsigned long long chain_handle = 0;
   int chain_slot = 0;
+  // With d_tokens (n rows, d_tokens = bchain->tokens): a batched decode loop's step (BatchChainState), for
+  // which every row's first CTA records its previous id and sets its next position; chain_handle and
+  // chain_slot as for chain.
+  BatchChainState* bchain = nullptr;
 };
 void prep_act(const PrepArgs& p, int n, ActBuf& out, Stream stream);
 
@@ -397,6 +402,22 @@ struct ChainState {
   RowSampling cur;               // the running step's draw (sampled loops: sample_rows reads it)
   RowSampling rows[kChainMax];   // every step's draw
 };
+// A batched decode loop's state (CudaBackend::run_batch_loop): n rows (sequences) decoding together, each
+// step's ids the next step's tokens (the head's argmax writes tokens[], which the next step's preparation
+// reads after its wait). As in ChainState, what a step's kernels read before pdl_wait alternates by step
+// parity: step i reads pos[i & 1] and i_[i & 1]; its preparation writes pos[(i + 1) & 1], i_[(i + 1) & 1] and
+// ids[i - 1] (the step's own tokens, step i - 1's ids), so the last step's ids stay in tokens[].
+constexpr int kBatchChainRows = 32;
+struct BatchChainState {
+  int32_t tokens[kBatchChainRows];
+  int32_t pos[2][kBatchChainRows];
+  int32_t seq[kBatchChainRows];
+  int32_t rows[kBatchChainRows];  // the logits rows: 0 .. n - 1
+  int32_t i_[2];                  // steps begun, by parity
+  int32_t k;                      // steps to run (a multiple of the unroll, 2 .. kChainMax)
+  int32_t ids[kChainMax][kBatchChainRows];
+};
+
 // The key whose argmax_key_row is `token` (a loop's first token, seeded into key[1]).
 inline unsigned long long chain_token_key(int32_t token) {
   return (1ull << 32) | (0xFFFFFFFFu - (uint32_t)token);
