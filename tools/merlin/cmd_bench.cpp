@@ -309,7 +309,7 @@ Action add_bench(CLI::App& app) {
   app.add_flag("--bandwidth", a->bandwidth, "measure memory read bandwidth (1 and -t threads)");
   app.add_option("--device", a->device, "cpu (default) | cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--decode-batches", a->decode_batches,
-                 "tg tests: sequences decoding together, comma-separated (e.g. 1,32)");
+                 "tg tests: sequences decoding greedily together, comma-separated (e.g. 1,32)");
   return [a] { return bench(*a); };
 }
 
