@@ -475,12 +475,8 @@ int CudaBackend::decode_looped(int32_t token, int32_t pos, int seq, int n_steps,
   std::vector<int32_t> ids((size_t)chain_max_);
   int done = 0;
   while (done < n_steps) {
-    const int p0 = pos + done;
-    int k = std::min(chain_max_, n_steps - done);
-    // A loop's steps share one attention launch (attn_class): stop where the class changes.
-    while (k > 1 && attn_class(p0 + k - 1) != attn_class(p0)) --k;
-    k -= k % loop_unroll_;  // whole iterations; the rest one step at a time
-    const int got = loops_broken_ || k == 0 ? 0 : run_loop(token, p0, seq, k, rows ? rows + done : nullptr, ids.data());
+    const int p0 = pos + done, k = loop_length(p0, n_steps - done);
+    const int got = k == 0 ? 0 : run_loop(token, p0, seq, k, rows ? rows + done : nullptr, ids.data());
     for (int i = 0; i < got; ++i) {
       ++done;
       if (!on_token(ids[(size_t)i])) return done;
@@ -499,20 +495,27 @@ int CudaBackend::decode_looped(int32_t token, int32_t pos, int seq, int n_steps,
   return done;
 }
 
-// The loop graph: [state in] -> while (condition) { loop_unroll_ steps } -> [state out]. Built from the
-// graph API around the captured body, since stream capture cannot make the while node itself. Null (and
-// loops_broken_, with a warning) where the driver refuses it.
-cudaGraphExec_t CudaBackend::loop_graph(bool sampled, int attn_class) {
-  Loop& l = loops_[sampled][attn_class];
-  if (l.exec) return l.exec;
+// Steps of the next loop launch from position p0 with `left` steps to go: the loop's steps share one attention
+// launch (attn_class), so it stops where the class changes, and it runs whole iterations (the rest one step
+// at a time). 0: no loop.
+int CudaBackend::loop_length(int p0, int left) const {
+  int k = std::min(chain_max_, left);
+  while (k > 1 && attn_class(p0 + k - 1) != attn_class(p0)) --k;
+  return loops_broken_ ? 0 : k - k % loop_unroll_;
+}
+
+// A loop graph: [state in: in_bytes to d_state] -> while (condition) { steps(handle) } -> [state out: out_bytes
+// back]. Built from the graph API around the captured body, since stream capture cannot make the while node
+// itself. Null (and loops_broken_, with `what` in the warning) where the driver refuses it.
+cudaGraphExec_t CudaBackend::build_loop(Loop& l, void* d_state, void* h_state, size_t in_bytes, size_t out_bytes,
+                                        const std::function<void(unsigned long long)>& steps, const char* what) {
   cudaGraph_t g = nullptr, body = nullptr;
   cudaGraphExec_t exec = nullptr;
   bool capturing = false;
   try {
     MERLIN_CUDA_CHECK(cudaGraphCreate(&g, 0));
     cudaGraphNode_t in = nullptr, loop = nullptr, out = nullptr;
-    MERLIN_CUDA_CHECK(cudaGraphAddMemcpyNode1D(&in, g, nullptr, 0, d_chain_, h_chain_, sizeof(cuda::ChainState),
-                                               cudaMemcpyHostToDevice));
+    MERLIN_CUDA_CHECK(cudaGraphAddMemcpyNode1D(&in, g, nullptr, 0, d_state, h_state, in_bytes, cudaMemcpyHostToDevice));
     cudaGraphConditionalHandle handle{};
     MERLIN_CUDA_CHECK(cudaGraphConditionalHandleCreate(&handle, g, 1, cudaGraphCondAssignDefault));
     cudaGraphNodeParams cp{};
@@ -524,7 +527,30 @@ cudaGraphExec_t CudaBackend::loop_graph(bool sampled, int attn_class) {
     body = cp.conditional.phGraph_out[0];
     MERLIN_CUDA_CHECK(cudaStreamBeginCaptureToGraph(stream_, body, nullptr, nullptr, 0, cudaStreamCaptureModeThreadLocal));
     capturing = true;
-    for (int u = 0; u < loop_unroll_; ++u) {  // k is a multiple of loop_unroll_ (decode_looped)
+    steps((unsigned long long)handle);
+    capturing = false;
+    MERLIN_CUDA_CHECK(cudaStreamEndCapture(stream_, &body));
+    MERLIN_CUDA_CHECK(cudaGraphAddMemcpyNode1D(&out, g, &loop, 1, h_state, d_state, out_bytes, cudaMemcpyDeviceToHost));
+    MERLIN_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+  } catch (const Error& e) {
+    if (capturing) cudaStreamEndCapture(stream_, &body);
+    if (g) cudaGraphDestroy(g);
+    cudaGetLastError();
+    std::fprintf(stderr, "[cuda] %s: %s\n", what, e.what());
+    loops_broken_ = true;
+    return nullptr;
+  }
+  l.graph = g;
+  l.exec = exec;
+  return exec;
+}
+
+// The one-row loop graph: loop_unroll_ one-token steps per iteration from the ChainState.
+cudaGraphExec_t CudaBackend::loop_graph(bool sampled, int attn_class) {
+  Loop& l = loops_[sampled][attn_class];
+  if (l.exec) return l.exec;
+  const auto steps = [&](unsigned long long handle) {
+    for (int u = 0; u < loop_unroll_; ++u) {  // k is a multiple of loop_unroll_ (loop_length)
       const cuda::PdlScope pdl;
       StepIo io;
       io.tokens = &d_chain_->token;
@@ -535,7 +561,7 @@ cudaGraphExec_t CudaBackend::loop_graph(bool sampled, int attn_class) {
       io.ids = &d_chain_->token;       // argmax_rows' id is the next step's token
       io.copy_out = false;
       io.chain = d_chain_;
-      io.chain_handle = (unsigned long long)handle;
+      io.chain_handle = handle;
       io.chain_slot = u & 1;
       flash_now_ = false;
       attn_class_now_ = attn_class;
@@ -544,22 +570,9 @@ cudaGraphExec_t CudaBackend::loop_graph(bool sampled, int attn_class) {
         cuda::sample_rows(logits_, c_.vocab_size, 1, c_.vocab_size, &d_chain_->cur, d_adjust_, &d_chain_->token,
                           stream_, d_sample_work_);
     }
-    capturing = false;
-    MERLIN_CUDA_CHECK(cudaStreamEndCapture(stream_, &body));
-    MERLIN_CUDA_CHECK(cudaGraphAddMemcpyNode1D(&out, g, &loop, 1, h_chain_, d_chain_,
-                                               offsetof(cuda::ChainState, cur), cudaMemcpyDeviceToHost));
-    MERLIN_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
-  } catch (const Error& e) {
-    if (capturing) cudaStreamEndCapture(stream_, &body);
-    if (g) cudaGraphDestroy(g);
-    cudaGetLastError();
-    std::fprintf(stderr, "[cuda] decode loops unavailable, one graph launch per token: %s\n", e.what());
-    loops_broken_ = true;
-    return nullptr;
-  }
-  l.graph = g;
-  l.exec = exec;
-  return exec;
+  };
+  return build_loop(l, d_chain_, h_chain_, sizeof(cuda::ChainState), offsetof(cuda::ChainState, cur), steps,
+                    "decode loops unavailable, one graph launch per token");
 }
 
 int CudaBackend::run_loop(int32_t token, int32_t pos, int seq, int k, const RowSampling* rows, int32_t* ids) {

@@ -166,6 +166,9 @@ class CudaBackend final : public Backend {
   int loop_unroll_ = 2;
   bool loops_broken_ = false;  // building a loop graph failed once (warned): single steps from then on
   bool loops_apply(bool sampled) const;
+  int loop_length(int p0, int left) const;
+  cudaGraphExec_t build_loop(Loop& l, void* d_state, void* h_state, size_t in_bytes, size_t out_bytes,
+                             const std::function<void(unsigned long long)>& steps, const char* what);
   cudaGraphExec_t loop_graph(bool sampled, int attn_class);
   // Runs k steps from (token, pos, seq) in one loop launch; ids gets the steps' ids, ending early at a
   // negative one (a draw left to the host). rows: the k steps' draws, or null (greedy). Returns the ids got.

@@ -6,7 +6,6 @@
 // step's tokens there, and the first layer's preparation does the bookkeeping (act.cu, batch_chain_step).
 #include <algorithm>
 #include <cstddef>
-#include <cstdio>
 
 #include "kernels/cuda/cuda_backend.h"
 
@@ -25,13 +24,9 @@ void CudaBackend::decode_greedy_batch(std::span<const int32_t> tokens, std::span
   std::vector<int32_t> cur(tokens.begin(), tokens.end());
   int done = 0;
   while (done < n_steps) {
-    const int p0 = max_pos + done;
-    int k = std::min(chain_max_, n_steps - done);
-    // A loop's steps share one attention launch (attn_class of the longest context): stop where it changes.
-    while (k > 1 && attn_class(p0 + k - 1) != attn_class(p0)) --k;
-    k -= k % loop_unroll_;
+    const int k = loop_length(max_pos + done, n_steps - done);  // the longest context's attention class
     int32_t* out = ids + (size_t)done * n;
-    if (k > 0 && !loops_broken_ && run_batch_loop(cur, pos, seqs, done, k, out)) {
+    if (k > 0 && run_batch_loop(cur, pos, seqs, done, k, out)) {
       done += k;
     } else {  // one plain step
       Batch b;
@@ -46,27 +41,8 @@ void CudaBackend::decode_greedy_batch(std::span<const int32_t> tokens, std::span
 cudaGraphExec_t CudaBackend::batch_loop_graph(int n, int attn_class) {
   Loop& l = batch_loops_[{n, attn_class}];
   if (l.exec) return l.exec;
-  cudaGraph_t g = nullptr, body = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  bool capturing = false;
-  try {
-    MERLIN_CUDA_CHECK(cudaGraphCreate(&g, 0));
-    cudaGraphNode_t in = nullptr, loop = nullptr, out = nullptr;
-    // The state up to the ids: tokens, positions, sequences, rows, the step counters and k.
-    MERLIN_CUDA_CHECK(cudaGraphAddMemcpyNode1D(&in, g, nullptr, 0, d_bchain_, h_bchain_,
-                                               offsetof(cuda::BatchChainState, ids), cudaMemcpyHostToDevice));
-    cudaGraphConditionalHandle handle{};
-    MERLIN_CUDA_CHECK(cudaGraphConditionalHandleCreate(&handle, g, 1, cudaGraphCondAssignDefault));
-    cudaGraphNodeParams cp{};
-    cp.type = cudaGraphNodeTypeConditional;
-    cp.conditional.handle = handle;
-    cp.conditional.type = cudaGraphCondTypeWhile;
-    cp.conditional.size = 1;
-    MERLIN_CUDA_CHECK(cudaGraphAddNode(&loop, g, &in, nullptr, 1, &cp));
-    body = cp.conditional.phGraph_out[0];
-    MERLIN_CUDA_CHECK(cudaStreamBeginCaptureToGraph(stream_, body, nullptr, nullptr, 0, cudaStreamCaptureModeThreadLocal));
-    capturing = true;
-    for (int u = 0; u < loop_unroll_; ++u) {  // k is a multiple of loop_unroll_ (decode_greedy_batch)
+  const auto steps = [&](unsigned long long handle) {
+    for (int u = 0; u < loop_unroll_; ++u) {  // k is a multiple of loop_unroll_ (loop_length)
       const cuda::PdlScope pdl;
       StepIo io;
       io.tokens = d_bchain_->tokens;
@@ -76,28 +52,18 @@ cudaGraphExec_t CudaBackend::batch_loop_graph(int n, int attn_class) {
       io.ids = d_bchain_->tokens;  // the head's ids are the next step's tokens
       io.copy_out = false;
       io.bchain = d_bchain_;
-      io.chain_handle = (unsigned long long)handle;
+      io.chain_handle = handle;
       io.chain_slot = u & 1;
       flash_now_ = false;
       attn_class_now_ = attn_class;
       enqueue(n, n, Output::GreedyIds, io);
     }
-    capturing = false;
-    MERLIN_CUDA_CHECK(cudaStreamEndCapture(stream_, &body));
-    MERLIN_CUDA_CHECK(cudaGraphAddMemcpyNode1D(&out, g, &loop, 1, h_bchain_, d_bchain_, sizeof(cuda::BatchChainState),
-                                               cudaMemcpyDeviceToHost));
-    MERLIN_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
-  } catch (const Error& e) {
-    if (capturing) cudaStreamEndCapture(stream_, &body);
-    if (g) cudaGraphDestroy(g);
-    cudaGetLastError();
-    std::fprintf(stderr, "[cuda] batched decode loops unavailable, one graph launch per step: %s\n", e.what());
-    loops_broken_ = true;
-    batch_loops_.erase({n, attn_class});
-    return nullptr;
-  }
-  l.graph = g;
-  l.exec = exec;
+  };
+  // In: the state up to the ids (tokens, positions, sequences, rows, the step counters, k); out: all of it.
+  const cudaGraphExec_t exec =
+      build_loop(l, d_bchain_, h_bchain_, offsetof(cuda::BatchChainState, ids), sizeof(cuda::BatchChainState), steps,
+                 "batched decode loops unavailable, one graph launch per step");
+  if (!exec) batch_loops_.erase({n, attn_class});
   return exec;
 }
 
@@ -126,8 +92,10 @@ bool CudaBackend::run_batch_loop(std::span<const int32_t> tokens, std::span<cons
   launch_graph(exec);
   MERLIN_CUDA_CHECK(cudaStreamSynchronize(stream_));
   // Step j's ids: recorded by step j + 1's preparation; the last step's are still the tokens.
-  for (int j = 0; j < k; ++j)
-    std::copy(j + 1 < k ? st.ids[j] : st.tokens, (j + 1 < k ? st.ids[j] : st.tokens) + n, ids + (size_t)j * n);
+  for (int j = 0; j < k; ++j) {
+    const int32_t* step_ids = j + 1 < k ? st.ids[j] : st.tokens;
+    std::copy(step_ids, step_ids + n, ids + (size_t)j * n);
+  }
   if (!first) add_timing(k, wall0);
   return true;
 }
