@@ -14,6 +14,7 @@
 // prep_act(SwiGlu), one kernel less per layer.
 #include <algorithm>
 
+#include "core/sys.h"
 #include "kernels/cuda/act_impl.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/fragment.cuh"
@@ -42,6 +43,7 @@ struct HalfArgs {
   int accumulate;
   int rope_on;  // rows 2j and 2j + 1 (one warp's pair) go through rope_store (matmul_rope_kv)
   RopeKvArgs rope;
+  int rope_cs;  // rope_on: each warp copies the token's cos / sin row to shared memory before pdl_wait
   int glu_on;          // pair j = rows j and glu_up_row + j; the output goes to glu_out
   int64_t glu_up_row;
   ActBuf glu_out;
@@ -138,6 +140,15 @@ __device__ __forceinline__ void stage_x(const HalfArgs& p, float* xs) {
   __syncthreads();
 }
 
+// Most cos / sin values per token that the RoPE launches copy to shared memory (HalfArgs::rope_cs), and
+// MERLIN_CUDA_ROPE_CS=0 (read once): the epilogue reads the table from global memory instead (A/B timing;
+// the same bits), as in matvec1.cu.
+constexpr int kHalfCsMax = 128;
+bool rope_cs_rows() {
+  static const bool on = !env_is("MERLIN_CUDA_ROPE_CS", "0");
+  return on;
+}
+
 // Persistent: warp w of CTA b takes row pairs b * kWarps + w, + gridDim.x * kWarps, ...; its items are those
 // pairs' column ranges in order. The first item is requested before pdl_wait (weights are immutable).
 template <bool BF>
@@ -150,8 +161,15 @@ __global__ void __launch_bounds__(kThreads, 2) mv1_half_kernel(HalfArgs p) {
   auto group_of = [&](int64_t i) { return gw + i / p.items * nw; };
   HalfRound ra{}, rb{};
   if (n_items > 0) load_item(p, group_of(0), 0, lane, ra);
-  const RopeTarget at = p.rope_on ? rope_target(p.rope) : RopeTarget{};
+  RopeTarget at = p.rope_on ? rope_target(p.rope) : RopeTarget{};
   if (p.rope_on && warp == kWarps - 1) prefetch_kv_context(p.rope, lane);
+  __shared__ __align__(16) float cs_rows[kWarps][kHalfCsMax];  // rope_cs: each warp's copy of the row
+  if (p.rope_cs) {  // the host's table (read-only): the epilogue's rotation then waits on no L2 round trip
+    if (4 * lane < p.rope.n_rot)
+      *reinterpret_cast<float4*>(&cs_rows[warp][4 * lane]) = __ldg(reinterpret_cast<const float4*>(at.cs) + lane);
+    __syncwarp();
+    at.cs = cs_rows[warp];
+  }
   pdl_trigger();
   pdl_wait();
   stage_x<BF>(p, xs);
@@ -214,6 +232,7 @@ bool matvec1_half(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, b
   p.accumulate = accumulate ? 1 : 0;
   p.rope_on = rope ? 1 : 0;
   if (rope) p.rope = *rope;
+  p.rope_cs = rope && rope_cs_rows() && rope->n_rot % 4 == 0 && rope->n_rot <= kHalfCsMax ? 1 : 0;
   const bool bf = w.fmt == kBF16;
   const int64_t ctas = (int64_t)g_sm_count * std::max(1, g_resident[bf ? 1 : 0]);
   const unsigned grid = (unsigned)std::min<int64_t>((p.groups + kWarps - 1) / kWarps, ctas);

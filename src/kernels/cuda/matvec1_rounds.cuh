@@ -37,6 +37,7 @@ struct Mv1Args {
   int x_early;      // stage_x requests the thread's first step before the deferred norm's sums
   int rope_on;      // 1: y is the stacked QKV product, finished by rope_store (kEpiRope, or an instance with kRunRope)
   RopeKvArgs rope;
+  int rope_cs;      // rope_on: each warp copies the token's cos / sin row to shared memory before pdl_wait
   int glu_up_tile;  // Glu variant: first tile of the up rows
   int glu_tiles;    // Glu variant: tiles of outputs (ffn / 16) in each half
   ActBuf glu_out;   // Glu variant: the down product's input (Q8_0, F16, BF16 or F32), row 0
