@@ -546,6 +546,15 @@ cudaGraphExec_t CudaBackend::build_loop(Loop& l, void* d_state, void* h_state, s
 }
 
 // The one-row loop graph: loop_unroll_ one-token steps per iteration from the ChainState.
+void CudaBackend::enqueue_loop_step(int n, Output out, StepIo io, unsigned long long handle, int u, int attn_class) {
+  io.copy_out = false;
+  io.chain_handle = handle;
+  io.chain_slot = u & 1;
+  flash_now_ = false;
+  attn_class_now_ = attn_class;
+  enqueue(n, n, out, io);
+}
+
 cudaGraphExec_t CudaBackend::loop_graph(bool sampled, int attn_class) {
   Loop& l = loops_[sampled][attn_class];
   if (l.exec) return l.exec;
@@ -559,13 +568,8 @@ cudaGraphExec_t CudaBackend::loop_graph(bool sampled, int attn_class) {
       io.rows = &d_chain_->row;
       io.key = &d_chain_->key[u & 1];  // step i's key slot is i & 1 (loop_unroll_ is even)
       io.ids = &d_chain_->token;       // argmax_rows' id is the next step's token
-      io.copy_out = false;
       io.chain = d_chain_;
-      io.chain_handle = handle;
-      io.chain_slot = u & 1;
-      flash_now_ = false;
-      attn_class_now_ = attn_class;
-      enqueue(1, 1, sampled ? Output::DeviceLogits : Output::GreedyIds, io);
+      enqueue_loop_step(1, sampled ? Output::DeviceLogits : Output::GreedyIds, io, handle, u, attn_class);
       if (sampled)
         cuda::sample_rows(logits_, c_.vocab_size, 1, c_.vocab_size, &d_chain_->cur, d_adjust_, &d_chain_->token,
                           stream_, d_sample_work_);

@@ -169,6 +169,9 @@ class CudaBackend final : public Backend {
   int loop_length(int p0, int left) const;
   cudaGraphExec_t build_loop(Loop& l, void* d_state, void* h_state, size_t in_bytes, size_t out_bytes,
                              const std::function<void(unsigned long long)>& steps, const char* what);
+  // Step u of a loop graph's body (loop_graph, batch_loop_graph): io with the loop's handle and slot and no
+  // copy to the host, then the step's kernels for n rows of the given attention class.
+  void enqueue_loop_step(int n, Output out, StepIo io, unsigned long long handle, int u, int attn_class);
   cudaGraphExec_t loop_graph(bool sampled, int attn_class);
   // Runs k steps from (token, pos, seq) in one loop launch; ids gets the steps' ids, ending early at a
   // negative one (a draw left to the host). rows: the k steps' draws, or null (greedy). Returns the ids got.

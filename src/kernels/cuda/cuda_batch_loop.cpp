@@ -50,13 +50,8 @@ cudaGraphExec_t CudaBackend::batch_loop_graph(int n, int attn_class) {
       io.seq = d_bchain_->seq;
       io.rows = d_bchain_->rows;
       io.ids = d_bchain_->tokens;  // the head's ids are the next step's tokens
-      io.copy_out = false;
       io.bchain = d_bchain_;
-      io.chain_handle = handle;
-      io.chain_slot = u & 1;
-      flash_now_ = false;
-      attn_class_now_ = attn_class;
-      enqueue(n, n, Output::GreedyIds, io);
+      enqueue_loop_step(n, Output::GreedyIds, io, handle, u, attn_class);
     }
   };
   // In: the state up to the ids (tokens, positions, sequences, rows, the step counters, k); out: all of it.

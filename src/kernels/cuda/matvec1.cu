@@ -44,15 +44,6 @@
 namespace merlin::cuda {
 namespace {
 
-// Most cos / sin values per token that the RoPE instances copy to shared memory (Mv1Args::rope_cs), and
-// MERLIN_CUDA_ROPE_CS=0 (read once): the epilogue reads the table from global memory instead (A/B timing;
-// the same bits).
-constexpr int kMv1CsMax = 128;
-bool rope_cs_rows() {
-  static const bool on = !env_is("MERLIN_CUDA_ROPE_CS", "0");
-  return on;
-}
-
 // Where a warp is in its (tile group, round) sequence; every warp of the CTA walks the same number of items,
 // so the per-group reduction (a CTA barrier) comes at the same item for all.
 struct Cursor {
@@ -252,7 +243,7 @@ __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float red[2][W][16];
   constexpr bool kCs = R != 0 && MB < 3;  // not at 3 CTAs per SM (80 registers): the copy made it spill
-  __shared__ __align__(16) float cs_rows[kCs ? W : 1][kCs ? kMv1CsMax : 1];  // rope_cs: each warp's copy of the row
+  __shared__ __align__(16) float cs_rows[kCs ? W : 1][kCs ? kRopeCsMax : 1];  // rope_cs: each warp's copy of the row
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
   const int S = 1 << p.lsplit;
   const int slot = warp >> p.lsplit, sub = warp & (S - 1);
@@ -282,12 +273,7 @@ __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
     at = rope_target(p.rope);
     if (warp == W - 1) prefetch_kv_context(p.rope, lane);
     if constexpr (kCs) {
-      if (p.rope_cs) {  // the host's table (read-only): the epilogue's rotation then waits on no L2 round trip
-        if (4 * lane < p.rope.n_rot)
-          *reinterpret_cast<float4*>(&cs_rows[warp][4 * lane]) = __ldg(reinterpret_cast<const float4*>(at.cs) + lane);
-        __syncwarp();
-        at.cs = cs_rows[warp];
-      }
+      if (p.rope_cs) copy_cs_row(at, p.rope.n_rot, cs_rows[warp], lane);
     }
   }
   float nw = Norm && n_items > 0 ? norm_weight<W>(p, (int)blockIdx.x) : 0.0f;  // the first group's, like its first round
@@ -625,7 +611,7 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
   p.x_early = x_early() ? 1 : 0;
   p.rope_on = e.rope ? 1 : 0;
   if (e.rope) p.rope = *e.rope;
-  p.rope_cs = e.rope && rope_cs_rows() && e.rope->n_rot % 4 == 0 && e.rope->n_rot <= kMv1CsMax ? 1 : 0;
+  p.rope_cs = e.rope && rope_cs_pays(*e.rope) ? 1 : 0;
   if (e.glu_out) {
     p.glu_out = *e.glu_out;
     p.glu_up_tile = (int)(e.glu_up_row / 16);

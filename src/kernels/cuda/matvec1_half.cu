@@ -14,7 +14,6 @@
 // prep_act(SwiGlu), one kernel less per layer.
 #include <algorithm>
 
-#include "core/sys.h"
 #include "kernels/cuda/act_impl.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/fragment.cuh"
@@ -140,15 +139,6 @@ __device__ __forceinline__ void stage_x(const HalfArgs& p, float* xs) {
   __syncthreads();
 }
 
-// Most cos / sin values per token that the RoPE launches copy to shared memory (HalfArgs::rope_cs), and
-// MERLIN_CUDA_ROPE_CS=0 (read once): the epilogue reads the table from global memory instead (A/B timing;
-// the same bits), as in matvec1.cu.
-constexpr int kHalfCsMax = 128;
-bool rope_cs_rows() {
-  static const bool on = !env_is("MERLIN_CUDA_ROPE_CS", "0");
-  return on;
-}
-
 // Persistent: warp w of CTA b takes row pairs b * kWarps + w, + gridDim.x * kWarps, ...; its items are those
 // pairs' column ranges in order. The first item is requested before pdl_wait (weights are immutable).
 template <bool BF>
@@ -163,13 +153,8 @@ __global__ void __launch_bounds__(kThreads, 2) mv1_half_kernel(HalfArgs p) {
   if (n_items > 0) load_item(p, group_of(0), 0, lane, ra);
   RopeTarget at = p.rope_on ? rope_target(p.rope) : RopeTarget{};
   if (p.rope_on && warp == kWarps - 1) prefetch_kv_context(p.rope, lane);
-  __shared__ __align__(16) float cs_rows[kWarps][kHalfCsMax];  // rope_cs: each warp's copy of the row
-  if (p.rope_cs) {  // the host's table (read-only): the epilogue's rotation then waits on no L2 round trip
-    if (4 * lane < p.rope.n_rot)
-      *reinterpret_cast<float4*>(&cs_rows[warp][4 * lane]) = __ldg(reinterpret_cast<const float4*>(at.cs) + lane);
-    __syncwarp();
-    at.cs = cs_rows[warp];
-  }
+  __shared__ __align__(16) float cs_rows[kWarps][kRopeCsMax];  // rope_cs: each warp's copy of the row
+  if (p.rope_cs) copy_cs_row(at, p.rope.n_rot, cs_rows[warp], lane);
   pdl_trigger();
   pdl_wait();
   stage_x<BF>(p, xs);
@@ -232,7 +217,7 @@ bool matvec1_half(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, b
   p.accumulate = accumulate ? 1 : 0;
   p.rope_on = rope ? 1 : 0;
   if (rope) p.rope = *rope;
-  p.rope_cs = rope && rope_cs_rows() && rope->n_rot % 4 == 0 && rope->n_rot <= kHalfCsMax ? 1 : 0;
+  p.rope_cs = rope && rope_cs_pays(*rope) ? 1 : 0;
   const bool bf = w.fmt == kBF16;
   const int64_t ctas = (int64_t)g_sm_count * std::max(1, g_resident[bf ? 1 : 0]);
   const unsigned grid = (unsigned)std::min<int64_t>((p.groups + kWarps - 1) / kWarps, ctas);

@@ -2,6 +2,7 @@
 // their epilogue (matvec1.cu, matvec1_half.cu, matmul.cu): the same operations in the same order, so the
 // fused path writes the bits the separate kernel would.
 #pragma once
+#include "core/sys.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
 
@@ -42,6 +43,22 @@ struct RopeTarget {
 __device__ __forceinline__ RopeTarget rope_target(const RopeKvArgs& a, int t = 0) {
   const int pos = a.d_pos[t];
   return RopeTarget{kv_slot(a.kv, a.d_seq[t], pos), a.d_cos_sin + (int64_t)pos * a.n_rot};
+}
+
+// The single-token RoPE products (matvec1, matvec1_half) copy the token's cos / sin row (n_rot floats, at
+// most kRopeCsMax) to a per-warp slot in shared memory before pdl_wait, so that the rotation after the
+// reduction waits on no L2 round trip (the table is the host's, read-only). rope_cs_pays: whether a launch
+// takes the copy; MERLIN_CUDA_ROPE_CS=0 (read once) never (A/B timing; the same bits).
+constexpr int kRopeCsMax = 128;
+inline bool rope_cs_pays(const RopeKvArgs& a) {
+  static const bool on = !env_is("MERLIN_CUDA_ROPE_CS", "0");
+  return on && a.n_rot % 4 == 0 && a.n_rot <= kRopeCsMax;
+}
+// One 16-byte load per lane into the warp's slot; at.cs then points there. Warp-collective.
+__device__ __forceinline__ void copy_cs_row(RopeTarget& at, int n_rot, float* slot, int lane) {
+  if (4 * lane < n_rot) *reinterpret_cast<float4*>(slot + 4 * lane) = __ldg(reinterpret_cast<const float4*>(at.cs) + lane);
+  __syncwarp();
+  at.cs = slot;
 }
 
 // Asks L2 for the K and V rows of token 0's latest a.l2_positions positions before its own (one bulk prefetch
