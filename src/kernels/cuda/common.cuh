@@ -60,6 +60,17 @@ __device__ __forceinline__ void prefetch_l2(const void* a, uint32_t n) {
 // (cuda_api.h says why not otherwise); MERLIN_CUDA_PDL=0 turns it off everywhere (for A/B timing).
 bool pdl_enabled();
 
+// MERLIN_CUDA_CARVEOUT=P (read once; A/B timing): every kernel launch_pdl starts first sets its preferred
+// shared-memory carveout to P percent (cudaFuncAttributePreferredSharedMemoryCarveout), so that all kernels
+// of a step ask for the same L1 / shared split. carveout_pct() is -1 when unset. MERLIN_CUDA_CARVEOUT_MV1=P
+// (-1: the driver's choice): the single-token products only (matvec1.cu, matvec1_half.cu), which otherwise
+// take matvec1.cu's mv1_carveout (Q8_0 rows shorter than 3,072: 50 %; all else the driver's choice);
+// kCarveoutUnset when unset. A kernel keeps the first value it is given.
+constexpr int kCarveoutUnset = -2;
+int carveout_pct();
+int carveout_mv1_pct();
+void apply_carveout(const void* kernel, int pct);
+
 template <typename... Params, typename... Args>
 void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args... args) {
   cudaLaunchAttribute attr{};
@@ -72,6 +83,7 @@ void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, c
   cfg.stream = stream;
   cfg.attrs = &attr;
   cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  if (carveout_pct() >= 0) apply_carveout(reinterpret_cast<const void*>(kernel), carveout_pct());
   MERLIN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...));
 }
 

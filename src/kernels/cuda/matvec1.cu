@@ -574,6 +574,20 @@ void choose_split(Mv1Args& p, int64_t ctas, bool tie, bool glu, bool norm = fals
   p.groups = (int)((tiles + per_group(ls) - 1) / per_group(ls));
 }
 
+// The shared-memory carveout (percent) a single-token kernel of format f over rows of length k asks for, -1
+// for the driver's choice (MERLIN_CUDA_CARVEOUT_MV1 overrides it: -1 restores the driver's choice). Q8_0 rows
+// shorter than 3,072 (base's, the mid family's instances: family_default) take 50 % (114 KB). H200 tg128
+// (docs/BENCHMARKS.md, thirty-seventh session), driver's choice / 50 %: base q8_0 4,989-4,993 / 5,368-5,370
+// (+7.5 %; 14-100 % all gain, with programmatic launch off none does: the gain is the kernels' overlap with
+// their neighbours), iphone q8_0 878.5-879.1 / 864.5-868.3 (-1.4 %), macbook q8_0 464.4 / 464.7; base q4_0
+// loses at 14 % and 0 % costs iphone q4_0 9.5 %, so every other format keeps the driver's choice. The
+// attribute belongs to the kernel, so the first launch of an instance sets it for all.
+int mv1_carveout(int f, int64_t k) {
+  const int env = carveout_mv1_pct();
+  if (env != kCarveoutUnset) return env;
+  return f == kQ8_0 && k < 3072 ? 50 : -1;
+}
+
 // What a launch adds to the plain product: RoPE + K/V write, the SwiGLU output, or the next RMSNorm's input.
 struct Extra {
   const RopeKvArgs* rope = nullptr;
@@ -636,6 +650,8 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
   p.groups_r = p.groups % (int)grid;
   const size_t smem = x.glu_src ? smem_bytes_glu<F>(w.k) : smem_bytes<F>(w.k);
   const Mv1Kernel kernel = kernel_of<F>(key);
+  const int carveout = mv1_carveout(F, w.k);
+  if (carveout >= 0) apply_carveout(reinterpret_cast<const void*>(kernel), carveout);
   launch_pdl(kernel, dim3(grid), dim3(warps_of(epi) * 32), smem, stream, p);
   check_launch("matvec1");
 }

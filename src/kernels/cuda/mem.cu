@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -65,6 +66,27 @@ PdlScope::~PdlScope() { pdl_scoped() = prev_; }
 bool pdl_enabled() {
   static const bool on = !env_is("MERLIN_CUDA_PDL", "0"), eager = env_is("MERLIN_CUDA_EAGER_PDL", "1");
   return on && (eager || pdl_scoped());
+}
+
+int carveout_pct() {
+  static const int pct = (int)std::clamp(env_int("MERLIN_CUDA_CARVEOUT", -1), -1L, 100L);
+  return pct;
+}
+
+int carveout_mv1_pct() {
+  static const int pct = std::getenv("MERLIN_CUDA_CARVEOUT_MV1")
+                             ? (int)std::clamp(env_int("MERLIN_CUDA_CARVEOUT_MV1", -1), -1L, 100L)
+                             : kCarveoutUnset;
+  return pct;
+}
+
+void apply_carveout(const void* kernel, int pct) {
+  static std::mutex mu;
+  static std::vector<const void*> done;
+  const std::lock_guard<std::mutex> lock(mu);
+  if (std::find(done.begin(), done.end(), kernel) != done.end()) return;
+  MERLIN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, pct));
+  done.push_back(kernel);
 }
 
 void check_launch(const char* what) {
