@@ -65,10 +65,13 @@ bool pdl_enabled();
 // of a step ask for the same L1 / shared split. carveout_pct() is -1 when unset. MERLIN_CUDA_CARVEOUT_MV1=P
 // (-1: the driver's choice): the single-token products only (matvec1.cu, matvec1_half.cu), which otherwise
 // take matvec1.cu's mv1_carveout (Q8_0 rows shorter than 3,072: 50 %; all else the driver's choice);
-// kCarveoutUnset when unset. A kernel keeps the first value it is given.
+// kCarveoutUnset when unset. MERLIN_CUDA_CARVEOUT_ATTN=P: the attention kernels only (the thirty-seventh
+// session's gain was the attention kernel overlapping the QKV product; added for the next A/B, not yet run on
+// a GPU). A kernel keeps the first value it is given.
 constexpr int kCarveoutUnset = -2;
 int carveout_pct();
 int carveout_mv1_pct();
+int carveout_attn_pct();
 void apply_carveout(const void* kernel, int pct);
 
 template <typename... Params, typename... Args>

@@ -80,6 +80,11 @@ int carveout_mv1_pct() {
   return pct;
 }
 
+int carveout_attn_pct() {
+  static const int pct = (int)std::clamp(env_int("MERLIN_CUDA_CARVEOUT_ATTN", -1), -1L, 100L);
+  return pct;
+}
+
 void apply_carveout(const void* kernel, int pct) {
   static std::mutex mu;
   static std::vector<const void*> done;
