@@ -806,7 +806,7 @@ void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32
                  "attention: the output activation buffer does not fit");
     qo = *out_act;
   }
-  if (carveout_attn_pct() >= 0) apply_carveout(reinterpret_cast<const void*>(kernel), carveout_attn_pct());
+  apply_carveout(reinterpret_cast<const void*>(kernel), carveout_attn_pct());
   launch_pdl(kernel, grid, kAttnThreads, smem, stream, d_qkv, ld, d_pos, d_seq, n_heads, n_kv_heads, head_dim, n_scores,
              kv, d_out, sp, qo);
   check_launch("attention");

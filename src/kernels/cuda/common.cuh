@@ -62,10 +62,10 @@ bool pdl_enabled();
 
 // MERLIN_CUDA_CARVEOUT=P (read once; A/B timing): every kernel launch_pdl starts first sets its preferred
 // shared-memory carveout to P percent (cudaFuncAttributePreferredSharedMemoryCarveout), so that all kernels
-// of a step ask for the same L1 / shared split. carveout_pct() is -1 when unset. MERLIN_CUDA_CARVEOUT_MV1=P
-// (-1: the driver's choice): the single-token products only (matvec1.cu, matvec1_half.cu), which otherwise
-// take matvec1.cu's mv1_carveout (Q8_0 rows shorter than 3,072: 50 %; all else the driver's choice);
-// kCarveoutUnset when unset. MERLIN_CUDA_CARVEOUT_ATTN=P: the attention kernels only (the thirty-seventh
+// of a step ask for the same L1 / shared split. Each switch reads kCarveoutUnset when unset, and -1 means the
+// driver's choice; apply_carveout ignores both. MERLIN_CUDA_CARVEOUT_MV1=P: the single-token products only (matvec1.cu, matvec1_half.cu), which otherwise
+// take matvec1.cu's mv1_carveout (Q8_0 rows shorter than 3,072: 50 %; all else the driver's choice).
+// MERLIN_CUDA_CARVEOUT_ATTN=P: the attention kernels only (the thirty-seventh
 // session's gain was the attention kernel overlapping the QKV product; added for the next A/B, not yet run on
 // a GPU). A kernel keeps the first value it is given.
 constexpr int kCarveoutUnset = -2;
@@ -86,7 +86,7 @@ void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, c
   cfg.stream = stream;
   cfg.attrs = &attr;
   cfg.numAttrs = pdl_enabled() ? 1 : 0;
-  if (carveout_pct() >= 0) apply_carveout(reinterpret_cast<const void*>(kernel), carveout_pct());
+  if (carveout_pct() >= 0) apply_carveout(reinterpret_cast<const void*>(kernel), carveout_pct());  // A/B only
   MERLIN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...));
 }
 

@@ -650,8 +650,7 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
   p.groups_r = p.groups % (int)grid;
   const size_t smem = x.glu_src ? smem_bytes_glu<F>(w.k) : smem_bytes<F>(w.k);
   const Mv1Kernel kernel = kernel_of<F>(key);
-  const int carveout = mv1_carveout(F, w.k);
-  if (carveout >= 0) apply_carveout(reinterpret_cast<const void*>(kernel), carveout);
+  apply_carveout(reinterpret_cast<const void*>(kernel), mv1_carveout(F, w.k));
   launch_pdl(kernel, dim3(grid), dim3(warps_of(epi) * 32), smem, stream, p);
   check_launch("matvec1");
 }

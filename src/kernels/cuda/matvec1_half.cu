@@ -225,12 +225,9 @@ bool matvec1_half(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, b
   // The driver's carveout unless MERLIN_CUDA_CARVEOUT_MV1 sets one (A/B timing). H200 tg128, the driver's
   // choice / 100 %: the default model (f16) 7,584-7,602 / 7,604-7,638 t/s, iphone bf16 539.1-539.3 / 503.4-503.7,
   // macbook bf16 269.0 / 256.0 (docs/BENCHMARKS.md, thirty-seventh session).
-  const int carveout = carveout_mv1_pct();
-  if (carveout >= 0)
-    apply_carveout(bf ? reinterpret_cast<const void*>(mv1_half_kernel<true>) : reinterpret_cast<const void*>(mv1_half_kernel<false>),
-                   carveout);
-  if (bf) launch_pdl(mv1_half_kernel<true>, dim3(grid), dim3(kThreads), smem, stream, p);
-  else launch_pdl(mv1_half_kernel<false>, dim3(grid), dim3(kThreads), smem, stream, p);
+  const auto kernel = bf ? mv1_half_kernel<true> : mv1_half_kernel<false>;
+  apply_carveout(reinterpret_cast<const void*>(kernel), carveout_mv1_pct());
+  launch_pdl(kernel, dim3(grid), dim3(kThreads), smem, stream, p);
   check_launch("matvec1 half");
   return true;
 }

@@ -68,24 +68,28 @@ bool pdl_enabled() {
   return on && (eager || pdl_scoped());
 }
 
+namespace {
+// A carveout switch's value: -1 .. 100, kCarveoutUnset when the variable is not set.
+int env_carveout(const char* name) {
+  return std::getenv(name) ? (int)std::clamp(env_int(name, -1), -1L, 100L) : kCarveoutUnset;
+}
+}  // namespace
+
 int carveout_pct() {
-  static const int pct = (int)std::clamp(env_int("MERLIN_CUDA_CARVEOUT", -1), -1L, 100L);
+  static const int pct = env_carveout("MERLIN_CUDA_CARVEOUT");
   return pct;
 }
-
 int carveout_mv1_pct() {
-  static const int pct = std::getenv("MERLIN_CUDA_CARVEOUT_MV1")
-                             ? (int)std::clamp(env_int("MERLIN_CUDA_CARVEOUT_MV1", -1), -1L, 100L)
-                             : kCarveoutUnset;
+  static const int pct = env_carveout("MERLIN_CUDA_CARVEOUT_MV1");
   return pct;
 }
-
 int carveout_attn_pct() {
-  static const int pct = (int)std::clamp(env_int("MERLIN_CUDA_CARVEOUT_ATTN", -1), -1L, 100L);
+  static const int pct = env_carveout("MERLIN_CUDA_CARVEOUT_ATTN");
   return pct;
 }
 
 void apply_carveout(const void* kernel, int pct) {
+  if (pct < 0) return;  // the driver's choice (or unset)
   static std::mutex mu;
   static std::vector<const void*> done;
   const std::lock_guard<std::mutex> lock(mu);
