@@ -580,12 +580,14 @@ void choose_split(Mv1Args& p, int64_t ctas, bool tie, bool glu, bool norm = fals
 // (docs/BENCHMARKS.md, thirty-seventh session), driver's choice / 50 %: base q8_0 4,989-4,993 / 5,368-5,370
 // (+7.5 %; 14-100 % all gain, with programmatic launch off none does: the gain is the kernels' overlap with
 // their neighbours), iphone q8_0 878.5-879.1 / 864.5-868.3 (-1.4 %), macbook q8_0 464.4 / 464.7; base q4_0
-// loses at 14 % and 0 % costs iphone q4_0 9.5 %, so every other format keeps the driver's choice. The
-// attribute belongs to the kernel, so the first launch of an instance sets it for all.
+// loses at 14 % and 0 % costs iphone q4_0 9.5 %. Q4_K's short rows take 50 % too (thirty-eighth session, driver
+// / 50 / 100 %: base q4_k 3,848 / 4,017 / 3,909 t/s); MXFP4 and TQ2_0 do not care (base mxfp4 4,451 / 4,446 /
+// 4,450, tq2_0 4,185 / 4,181 / 4,188), so they and Q4_0 keep the driver's choice. The attribute belongs to the
+// kernel, so the first launch of an instance sets it for all.
 int mv1_carveout(int f, int64_t k) {
   const int env = carveout_mv1_pct();
   if (env != kCarveoutUnset) return env;
-  return f == kQ8_0 && k < 3072 ? 50 : -1;
+  return (f == kQ8_0 || f == kQ4_K) && k < 3072 ? 50 : -1;
 }
 
 // What a launch adds to the plain product: RoPE + K/V write, the SwiGLU output, or the next RMSNorm's input.
