@@ -391,8 +391,9 @@ TEST(CudaAttention, EmitsTheProductInputOfAPlainPreparation) {
 }
 
 // Decode steps whose positions all lie below attention_one_pass_positions launch the kernel's one-pass
-// instance (cuda::attention's one_pass, the backend's kAttnOnePass graphs; the plain instance with
-// MERLIN_CUDA_ATTN_LEAN=0); a decode grid otherwise gets the hoisted one. Both must give the same bits, or a sequence's tokens would depend on the longest context beside it.
+// instance (cuda::attention's one_pass, the backend's kAttnOnePass graphs; its copy for 4+ tokens, which asks
+// for another carveout; the plain instance with MERLIN_CUDA_ATTN_LEAN=0); a decode grid otherwise gets the
+// hoisted one. Both must give the same bits, or a sequence's tokens would depend on the longest context beside it.
 TEST(CudaAttention, OnePassLaunchMatchesTheHoistedOne) {
   REQUIRE_GPU();
   for (int kind : {0, 1, 2}) {  // f16, f32, Q8_0 cache
@@ -401,15 +402,19 @@ TEST(CudaAttention, OnePassLaunchMatchesTheHoistedOne) {
       probe.q8 = kind == 2;
       const int bound = cu::attention_one_pass_positions(hd, probe);
       ASSERT_GE(bound, 32);
-      const std::vector<Token> batch = {{0, 0}, {1, bound / 2}, {2, bound - 1}, {0, bound - 2}};
-      SCOPED_TRACE("cache kind " + std::to_string(kind) + ", head size " + std::to_string(hd) + ", bound " +
-                   std::to_string(bound));
-      const int n_ctx = std::max(256, (bound + 15) / 16 * 16);
-      const RandomAttention a(hd, 4, 2, kind == 0, batch, n_ctx, (uint32_t)(kind * 100 + hd), kind == 2);
-      const std::vector<float> hoisted = a.per_token(), plain = a.per_token(nullptr, nullptr, true);
-      ASSERT_EQ(hoisted.size(), plain.size());
-      EXPECT_EQ(std::memcmp(hoisted.data(), plain.data(), plain.size() * sizeof(float)), 0);
-      for (float v : plain) ASSERT_TRUE(std::isfinite(v));
+      // Four tokens (the one-pass copy of 4+-token steps) and one (the single-token instance).
+      const std::vector<std::vector<Token>> batches = {{{0, 0}, {1, bound / 2}, {2, bound - 1}, {0, bound - 2}},
+                                                       {{2, bound - 1}}};
+      for (const std::vector<Token>& batch : batches) {
+        SCOPED_TRACE("cache kind " + std::to_string(kind) + ", head size " + std::to_string(hd) + ", bound " +
+                     std::to_string(bound) + ", tokens " + std::to_string(batch.size()));
+        const int n_ctx = std::max(256, (bound + 15) / 16 * 16);
+        const RandomAttention a(hd, 4, 2, kind == 0, batch, n_ctx, (uint32_t)(kind * 100 + hd), kind == 2);
+        const std::vector<float> hoisted = a.per_token(), plain = a.per_token(nullptr, nullptr, true);
+        ASSERT_EQ(hoisted.size(), plain.size());
+        EXPECT_EQ(std::memcmp(hoisted.data(), plain.data(), plain.size() * sizeof(float)), 0);
+        for (float v : plain) ASSERT_TRUE(std::isfinite(v));
+      }
     }
   }
 }

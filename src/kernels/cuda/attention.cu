@@ -572,8 +572,9 @@ __device__ __forceinline__ void write_out(float* o, ActBuf qo, int t, int h, int
 // its own instance (Split = false) so that the split bookkeeping costs it no registers. OnePass: an unsplit,
 // unhoisted instance for steps whose every context fits one pass (the host's one_pass): only the one pass and
 // the output, without the general passes' code (the same bits: a one-pass context is whole and takes the one
-// pass in the other instances too).
-template <int KV, bool Split, bool Hoist, bool OnePass = false>
+// pass in the other instances too). Copy: a second, identical one-pass instance for steps of 4 or more tokens,
+// so that it can ask for another shared-memory carveout than the 1-3-token steps' (attention_carveout).
+template <int KV, bool Split, bool Hoist, bool OnePass = false, int Copy = 0>
 __global__ void __launch_bounds__(kAttnThreads) attention_kernel(const float* qkv, int64_t ld, const int32_t* d_pos,
                                                                  const int32_t* d_seq, int n_heads, int n_kv_heads,
                                                                  int hd, int n_scores, KvArgs kv, float* out,
@@ -689,6 +690,25 @@ const AttentionKernel kAttentionKernels[3][2][2] = {
 const AttentionKernel kOnePassKernels[3] = {attention_kernel<kKvF32, false, false, true>,
                                             attention_kernel<kKvF16, false, false, true>,
                                             attention_kernel<kKvQ8, false, false, true>};
+// [cache kind]: the copies for one-pass steps of kOnePassCopyMin or more tokens
+const AttentionKernel kOnePassBatchKernels[3] = {attention_kernel<kKvF32, false, false, true, 1>,
+                                                 attention_kernel<kKvF16, false, false, true, 1>,
+                                                 attention_kernel<kKvQ8, false, false, true, 1>};
+
+// The shared-memory carveout (percent, -1 = the driver's choice) the attention kernel asks for:
+// MERLIN_CUDA_CARVEOUT_ATTN=P where set (A/B timing), else 0 % (the most L1) for the one-pass copy that steps
+// of 4 to 8 tokens run, the driver's choice otherwise. H200 tg128, base (docs/BENCHMARKS.md, thirty-eighth
+// session), driver / 0 %: x8 q4_0 26,091 / 27,969 (+7.2 %), q8_0 +1.0 %, mxfp4 +4.3 %, q4_k +4.0 %, f16 +1.1 %,
+// default model +4.4 %; x4 +1.0 to +6.1 %; but x2 q4_0 -2.1 %, mxfp4 -5.2 %, one token q4_0 -1.8 % (hence the
+// copy, and its floor of 4 tokens), x32 (the plain instance) q4_0 -16 %.
+constexpr int kOnePassCopyMin = 4;
+int attention_carveout(const AttentionKernel kernel) {
+  const int env = carveout_attn_pct();
+  if (env != kCarveoutUnset) return env;
+  for (const AttentionKernel k : kOnePassBatchKernels)
+    if (k == kernel) return 0;
+  return -1;
+}
 
 }  // namespace
 
@@ -700,6 +720,8 @@ void attention_prepare(int n_ctx) {
       for (auto kernel : by_hoist)
         MERLIN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   for (auto kernel : kOnePassKernels)
+    MERLIN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  for (auto kernel : kOnePassBatchKernels)
     MERLIN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   MERLIN_CUDA_CHECK(cudaFuncSetAttribute(rope_kv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)kRopeKvSmemMax));
@@ -798,7 +820,8 @@ void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32
   // iphone q4_0 1,222 / 1,227).
   sp.l2 = l2_on && hoist && !context_l2 && (kind != kKvQ8 || head_dim % 16 == 0) ? 1 : 0;
   sp.wide = wide_on ? 1 : 0;
-  const auto kernel = lean ? kOnePassKernels[kind] : kAttentionKernels[kind][split][hoist];
+  const auto kernel = lean ? (n >= kOnePassCopyMin ? kOnePassBatchKernels[kind] : kOnePassKernels[kind])
+                           : kAttentionKernels[kind][split][hoist];
   ActBuf qo;  // kind F32: no second output
   if (out_act) {
     MERLIN_CHECK(attention_emits(out_act->kind, head_dim) && out_act->k == (int64_t)n_heads * head_dim &&
@@ -806,7 +829,7 @@ void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32
                  "attention: the output activation buffer does not fit");
     qo = *out_act;
   }
-  apply_carveout(reinterpret_cast<const void*>(kernel), carveout_attn_pct());
+  apply_carveout(reinterpret_cast<const void*>(kernel), attention_carveout(kernel));
   launch_pdl(kernel, grid, kAttnThreads, smem, stream, d_qkv, ld, d_pos, d_seq, n_heads, n_kv_heads, head_dim, n_scores,
              kv, d_out, sp, qo);
   check_launch("attention");
