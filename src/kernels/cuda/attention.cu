@@ -702,12 +702,9 @@ const AttentionKernel kOnePassBatchKernels[3] = {attention_kernel<kKvF32, false,
 // default model +4.4 %; x4 +1.0 to +6.1 %; but x2 q4_0 -2.1 %, mxfp4 -5.2 %, one token q4_0 -1.8 % (hence the
 // copy, and its floor of 4 tokens), x32 (the plain instance) q4_0 -16 %.
 constexpr int kOnePassCopyMin = 4;
-int attention_carveout(const AttentionKernel kernel) {
+int attention_carveout(bool one_pass_copy) {
   const int env = carveout_attn_pct();
-  if (env != kCarveoutUnset) return env;
-  for (const AttentionKernel k : kOnePassBatchKernels)
-    if (k == kernel) return 0;
-  return -1;
+  return env != kCarveoutUnset ? env : one_pass_copy ? 0 : -1;
 }
 
 }  // namespace
@@ -719,10 +716,9 @@ void attention_prepare(int n_ctx) {
     for (const auto& by_hoist : by_split)
       for (auto kernel : by_hoist)
         MERLIN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  for (auto kernel : kOnePassKernels)
-    MERLIN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  for (auto kernel : kOnePassBatchKernels)
-    MERLIN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  for (const auto& one_pass : {kOnePassKernels, kOnePassBatchKernels})
+    for (int kind = 0; kind < 3; ++kind)
+      MERLIN_CUDA_CHECK(cudaFuncSetAttribute(one_pass[kind], cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   MERLIN_CUDA_CHECK(cudaFuncSetAttribute(rope_kv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)kRopeKvSmemMax));
 }
@@ -820,8 +816,10 @@ void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32
   // iphone q4_0 1,222 / 1,227).
   sp.l2 = l2_on && hoist && !context_l2 && (kind != kKvQ8 || head_dim % 16 == 0) ? 1 : 0;
   sp.wide = wide_on ? 1 : 0;
-  const auto kernel = lean ? (n >= kOnePassCopyMin ? kOnePassBatchKernels[kind] : kOnePassKernels[kind])
-                           : kAttentionKernels[kind][split][hoist];
+  const bool copy = lean && n >= kOnePassCopyMin;
+  const auto kernel = copy   ? kOnePassBatchKernels[kind]
+                      : lean ? kOnePassKernels[kind]
+                             : kAttentionKernels[kind][split][hoist];
   ActBuf qo;  // kind F32: no second output
   if (out_act) {
     MERLIN_CHECK(attention_emits(out_act->kind, head_dim) && out_act->k == (int64_t)n_heads * head_dim &&
@@ -829,7 +827,7 @@ void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32
                  "attention: the output activation buffer does not fit");
     qo = *out_act;
   }
-  apply_carveout(reinterpret_cast<const void*>(kernel), attention_carveout(kernel));
+  apply_carveout(reinterpret_cast<const void*>(kernel), attention_carveout(copy));
   launch_pdl(kernel, grid, kAttnThreads, smem, stream, d_qkv, ld, d_pos, d_seq, n_heads, n_kv_heads, head_dim, n_scores,
              kv, d_out, sp, qo);
   check_launch("attention");

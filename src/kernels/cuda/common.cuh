@@ -63,11 +63,11 @@ bool pdl_enabled();
 // MERLIN_CUDA_CARVEOUT=P (read once; A/B timing): every kernel launch_pdl starts first sets its preferred
 // shared-memory carveout to P percent (cudaFuncAttributePreferredSharedMemoryCarveout), so that all kernels
 // of a step ask for the same L1 / shared split. Each switch reads kCarveoutUnset when unset, and -1 means the
-// driver's choice; apply_carveout ignores both. MERLIN_CUDA_CARVEOUT_MV1=P: the single-token products only (matvec1.cu, matvec1_half.cu), which otherwise
-// take matvec1.cu's mv1_carveout (Q8_0 rows shorter than 3,072: 50 %; all else the driver's choice).
-// MERLIN_CUDA_CARVEOUT_ATTN=P: the attention kernels only (the thirty-seventh
-// session's gain was the attention kernel overlapping the QKV product; added for the next A/B, not yet run on
-// a GPU). A kernel keeps the first value it is given.
+// driver's choice; apply_carveout ignores both. MERLIN_CUDA_CARVEOUT_MV1=P: the single-token products only
+// (matvec1.cu, matvec1_half.cu), which otherwise take matvec1.cu's mv1_carveout (Q8_0 and Q4_K rows shorter
+// than 3,072: 50 %; all else the driver's choice). MERLIN_CUDA_CARVEOUT_ATTN=P: the attention kernels only,
+// which otherwise take attention.cu's attention_carveout (the one-pass copy of 4-8-token steps: 0 %; all else
+// the driver's choice). A kernel keeps the first value it is given.
 constexpr int kCarveoutUnset = -2;
 int carveout_pct();
 int carveout_mv1_pct();
