@@ -642,7 +642,8 @@ TEST(CudaKernels, RopeKvQuantizesAQ8CacheAsTheCpu) {
 // partial rotary dimension, a paged cache (f16 and f32) shared by three sequences, for 1 token (the
 // single-token kernels: k = 256, a warp owns a tile, and 4096, warps share a tile and partners meet after the
 // shared-memory reduction) and 6 and 32 tokens (the batched kernels' reduction; the 144-head shape has enough
-// tiles for the 16- and 32-token CTAs, the small one runs 8-token CTAs).
+// tiles for the 16- and 32-token CTAs, the small one runs 8-token CTAs). The 32-token launches also ask their
+// tokens' contexts into L2 (prefetch_token_context), which must change nothing.
 TEST(CudaKernels, FusedRopeKvMatchesSeparateKernel) {
   REQUIRE_GPU();
   const int n_ctx = 64, block = 16, max_blocks = n_ctx / block, n_seq = 3;

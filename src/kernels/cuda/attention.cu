@@ -690,18 +690,24 @@ const AttentionKernel kAttentionKernels[3][2][2] = {
 const AttentionKernel kOnePassKernels[3] = {attention_kernel<kKvF32, false, false, true>,
                                             attention_kernel<kKvF16, false, false, true>,
                                             attention_kernel<kKvQ8, false, false, true>};
-// [cache kind]: the copies for one-pass steps of kOnePassCopyMin or more tokens
+// [cache kind]: the copies for one-pass steps of one_pass_copy_min() or more tokens
 const AttentionKernel kOnePassBatchKernels[3] = {attention_kernel<kKvF32, false, false, true, 1>,
                                                  attention_kernel<kKvF16, false, false, true, 1>,
                                                  attention_kernel<kKvQ8, false, false, true, 1>};
 
 // The shared-memory carveout (percent, -1 = the driver's choice) the attention kernel asks for:
 // MERLIN_CUDA_CARVEOUT_ATTN=P where set (A/B timing), else 0 % (the most L1) for the one-pass copy that steps
-// of 4 to 8 tokens run, the driver's choice otherwise. H200 tg128, base (docs/BENCHMARKS.md, thirty-eighth
+// of 3 to 8 tokens run, the driver's choice otherwise. H200 tg128, base (docs/BENCHMARKS.md, thirty-eighth
 // session), driver / 0 %: x8 q4_0 26,091 / 27,969 (+7.2 %), q8_0 +1.0 %, mxfp4 +4.3 %, q4_k +4.0 %, f16 +1.1 %,
 // default model +4.4 %; x4 +1.0 to +6.1 %; but x2 q4_0 -2.1 %, mxfp4 -5.2 %, one token q4_0 -1.8 % (hence the
-// copy, and its floor of 4 tokens), x32 (the plain instance) q4_0 -16 %.
-constexpr int kOnePassCopyMin = 4;
+// copy, and its floor), x32 (the plain instance) q4_0 -16 %. Thirty-ninth session, copy / original instance:
+// x3 q4_0 +1.1 %, mxfp4 +5.5 %, q4_k +2.8 %, q8_0 and the default model 0; x2 again q4_0 -2.5 %, mxfp4 -4.2 %.
+// MERLIN_CUDA_ATTN_COPY_MIN=N (read once, default 3): the fewest tokens a step runs the copy for (A/B timing;
+// the same bits either way).
+int one_pass_copy_min() {
+  static const int n = (int)env_int("MERLIN_CUDA_ATTN_COPY_MIN", 3);
+  return n;
+}
 int attention_carveout(bool one_pass_copy) {
   const int env = carveout_attn_pct();
   return env != kCarveoutUnset ? env : one_pass_copy ? 0 : -1;
@@ -816,7 +822,7 @@ void attention(const float* d_qkv, int64_t ld, int64_t k_off, int n, const int32
   // iphone q4_0 1,222 / 1,227).
   sp.l2 = l2_on && hoist && !context_l2 && (kind != kKvQ8 || head_dim % 16 == 0) ? 1 : 0;
   sp.wide = wide_on ? 1 : 0;
-  const bool copy = lean && n >= kOnePassCopyMin;
+  const bool copy = lean && n >= one_pass_copy_min();
   const auto kernel = copy   ? kOnePassBatchKernels[kind]
                       : lean ? kOnePassKernels[kind]
                              : kAttentionKernels[kind][split][hoist];

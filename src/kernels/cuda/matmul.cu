@@ -205,6 +205,32 @@ int rope_mode(bool last_idle) {
   return last_idle ? 1 : 2;
 }
 
+// How much of a batched step's contexts, all its tokens together, the QKV product asks into L2 for the
+// attention kernel after it (MmArgs::ctx_l2): each token's newest positions, 16 MiB / tokens of K and V rows,
+// in steps of 17 to 32 tokens, before pdl_wait. H200 tg128 x32 (docs/BENCHMARKS.md, thirty-ninth session, two
+// rounds each), on / off: base q4_0 97,839 · 98,041 / 97,669 · 97,292 t/s, q8_0 +0.3 %, mxfp4 +1.4 %, q4_k
+// +0.6 %, iphone q4_0 +0.3 % (the attention kernel's charge ~4.7 -> ~4.4 us per layer); at 8 tokens it lost
+// 0.3-0.5 %, hence the floor. Asked after the wait it cost the QKV product what the attention gained (6.40 ->
+// 6.83 us), and every block asked by the first CTAs (1.5 MiB per SM) 3.4 us per QKV product (base q4_0 x32
+// -8 %): the requests queue ahead of the product's own weights in DRAM. MERLIN_CUDA_MM_KV_L2_MB=N (read once;
+// 0 = off), MERLIN_CUDA_MM_KV_L2_LATE=1 (after the wait) and MERLIN_CUDA_MM_KV_L2_MIN=N (the fewest tokens)
+// are the A/B switches.
+constexpr int kDecodeMaxTokens = 32;
+void set_ctx_l2(MmArgs& p) {
+  static const long mb = std::clamp(env_int("MERLIN_CUDA_MM_KV_L2_MB", 16), 0L, 40L);
+  static const bool late = env_is("MERLIN_CUDA_MM_KV_L2_LATE", "1");
+  static const long min_n = std::max(2L, env_int("MERLIN_CUDA_MM_KV_L2_MIN", 17));
+  const RopeKvArgs& r = p.rope;
+  const int64_t row = r.kv_dim * (r.kv.f16 ? 2 : 4);
+  // Decode-sized steps only: a prefill chunk's tokens would ask for rows this product itself writes.
+  if (mb == 0 || r.kv.q8 || row % 16 != 0 || p.n < min_n || p.n > kDecodeMaxTokens || p.rope_early == 0 ||
+      r.kv.block_size <= 0)
+    return;
+  p.ctx_l2 = (int)std::min<int64_t>(mb * (1 << 20) / (2 * row * p.n), 1 << 30);
+  p.ctx_l2_blocks = (int)std::min<int64_t>((p.ctx_l2 + r.kv.block_size - 1) / r.kv.block_size + 1, 1 << 20);
+  p.ctx_l2_late = late ? 1 : 0;
+}
+
 // The item walk's constants (MmArgs::split_log2 .. sets_r) of a launch of `ctas` CTAs over `sets` tile sets:
 // computed here once, so that no CTA spends its first instructions on runtime divisions (Items).
 void set_items(MmArgs& p, int64_t sets, int64_t ctas) {
@@ -244,6 +270,7 @@ void launch_nt(MmArgs p, Stream stream, int64_t tiles) {
   set_items(p, sets, grid.x);
   if (h && half_staging() == -1 && sets <= resident) p.stage_x = 0;  // one tile set per CTA: not worth a stage
   if (p.rope_on) p.rope_early = rope_mode(((kWarps - 1) & (p.split - 1)) * p.round >= p.n_chunks);
+  if (p.rope_on) set_ctx_l2(p);
   const bool in_smem = p.stage_x != 0;
   const int e = pick_epilogue(p, F);
   KernelFn kernel = p.glu_on ? pick_kernel<F, NT, true>(capped, x, p.round, e)  //

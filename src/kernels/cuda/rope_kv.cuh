@@ -80,6 +80,27 @@ __device__ __forceinline__ void prefetch_kv_context(const RopeKvArgs& a, int lan
   }
 }
 
+// The batched QKV products' counterpart (MmArgs::ctx_l2): token t's latest `lim` positions before its own,
+// one bulk prefetch of K and one of V per cache block (a block's slots are contiguous), asked by the lane of
+// the last warp that looks token t's RoPE target up. A 32-token step's attention reads 32 contexts, which
+// the weight stream has evicted from L2 since the last step, and its grid is too large to prefetch them itself
+// before its own wait (prefetch_context, one-wave grids only). Block j of token t goes to CTA (t * nbm + j)
+// mod gridDim.x (nbm: the most blocks a token's window spans), so that no SM issues much more than another.
+__device__ __forceinline__ void prefetch_token_context(const RopeKvArgs& a, int t, int lim, int nbm) {
+  const int pos = a.d_pos[t], seq = a.d_seq[t], lo = max(0, pos - lim), bs = a.kv.block_size;
+  const int64_t row = a.kv_dim * (a.kv.f16 ? 2 : 4);
+  const int32_t* table = a.kv.d_table + (int64_t)seq * a.kv.max_blocks;
+  const int g = (int)gridDim.x, b0 = lo / bs;
+  const int first = (((int)blockIdx.x - t * nbm) % g + g) % g;
+  for (int b = b0 + first; b * bs < pos; b += g) {
+    const int p0 = max(lo, b * bs), p1 = min(pos, (b + 1) * bs);
+    const int64_t off = ((int64_t)table[b] * bs + (p0 - b * bs)) * row;
+    const uint32_t n = (uint32_t)((p1 - p0) * row);
+    prefetch_l2(static_cast<const char*>(a.kv.d_k) + off, n);
+    prefetch_l2(static_cast<const char*>(a.kv.d_v) + off, n);
+  }
+}
+
 // Where a QKV product's epilogue sends row r of a token (value v, its RoPE partner r ^ 1 has w): Q rows,
 // rotated, to the qkv buffer; K rows, rotated, and V rows to the cache slot of (seq, pos). The row indices of
 // a stacked QKV product (q_dim + 2 kv_dim rows) fit 32 bits: 32-bit remainders, where the 64-bit ones were
