@@ -537,7 +537,7 @@ bool matmul_norm_fits(const Matrix& w, int64_t n_out, int n) {
 
 bool matmul_norm_pays(const Matrix& w, int n) {
   const int64_t chunks = geometry(w.fmt, w.rows, w.k).n_chunks;
-  if (w.fmt == kQ4_0) return chunks <= 4 * kRound;
+  if (w.fmt == kQ4_0) return chunks <= 4 * kRound || (chunks <= 8 * kRound && n <= 3);
   if (w.fmt == kMXFP4) return chunks <= 4 * kRound ? n <= 4 || n > 16 : chunks <= 32 && n > 16;
   return w.fmt == kQ8_0 && chunks <= 64;
 }

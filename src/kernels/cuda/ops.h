@@ -204,7 +204,9 @@ bool matmul_norm_half_pays(const Matrix& w, int n);
 // x16 / x32 +6.4 / +5.5 / +3.4 %, MXFP4 -1 / 0 / +4.6 %, Q4_0's down +2 / -2 / 0 %. So: Q4_0 rows of up to 16
 // chunks, MXFP4 up to 16 chunks at 2-4 tokens and up to 32 from 17 tokens on, Q8_0 up to 64 chunks (base's
 // rows; the 3.17B and 7.19B models' are longer and keep the separate kernel). Q4_K and TQ2_0 readers take
-// Q8_K rows and never fold.
+// Q8_K rows and never fold. Thirty-ninth session (base, every fold that fits / the rule): Q4_0's down (32
+// chunks) x2 +4.1 %, x3 +3.9 %, x4 / x8 +0.2-0.3 %, x16 -4 %, so Q4_0 folds rows of up to 32 chunks at 2-3
+// tokens too; MXFP4 -2 to -3 % at 2-4 tokens, +3 % at 8; Q8_0 and the default model +-0.3 %.
 bool matmul_norm_pays(const Matrix& w, int n);
 // n >= 2 tokens through a stacked [gate; up] matrix (up's rows from up_row), written as silu(gate) * up in
 // out's format (the down product's input): what matmul() then prep_act(SwiGlu) give when both run the
