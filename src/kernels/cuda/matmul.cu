@@ -213,12 +213,10 @@ int rope_mode(bool last_idle) {
 // 0.3-0.5 %, hence the floor. Asked after the wait it cost the QKV product what the attention gained (6.40 ->
 // 6.83 us), and every block asked by the first CTAs (1.5 MiB per SM) 3.4 us per QKV product (base q4_0 x32
 // -8 %): the requests queue ahead of the product's own weights in DRAM. MERLIN_CUDA_MM_KV_L2_MB=N (read once;
-// 0 = off), MERLIN_CUDA_MM_KV_L2_LATE=1 (after the wait) and MERLIN_CUDA_MM_KV_L2_MIN=N (the fewest tokens)
-// are the A/B switches.
+// 0 = off) and MERLIN_CUDA_MM_KV_L2_MIN=N (the fewest tokens) are the A/B switches.
 constexpr int kDecodeMaxTokens = 32;
 void set_ctx_l2(MmArgs& p) {
   static const long mb = std::clamp(env_int("MERLIN_CUDA_MM_KV_L2_MB", 16), 0L, 40L);
-  static const bool late = env_is("MERLIN_CUDA_MM_KV_L2_LATE", "1");
   static const long min_n = std::max(2L, env_int("MERLIN_CUDA_MM_KV_L2_MIN", 17));
   const RopeKvArgs& r = p.rope;
   const int64_t row = r.kv_dim * (r.kv.f16 ? 2 : 4);
@@ -228,7 +226,6 @@ void set_ctx_l2(MmArgs& p) {
     return;
   p.ctx_l2 = (int)std::min<int64_t>(mb * (1 << 20) / (2 * row * p.n), 1 << 30);
   p.ctx_l2_blocks = (int)std::min<int64_t>((p.ctx_l2 + r.kv.block_size - 1) / r.kv.block_size + 1, 1 << 20);
-  p.ctx_l2_late = late ? 1 : 0;
 }
 
 // The item walk's constants (MmArgs::split_log2 .. sets_r) of a launch of `ctas` CTAs over `sets` tile sets:

@@ -151,11 +151,9 @@ __global__ void __launch_bounds__(kWarps * 32, MinBlocks) mm_kernel(MmArgs p) {
     targets[lane] = RopeSlot{t.slot, t.cs};
   };
   if (rope_warp && p.rope_early == 1) look_up_rope();
-  const bool ctx_warp = rope_warp && p.ctx_l2 > 0;
-  if (ctx_warp && !p.ctx_l2_late) prefetch_token_context(p.rope, tb + lane, p.ctx_l2, p.ctx_l2_blocks);
+  if (rope_warp && p.ctx_l2 > 0) prefetch_token_context(p.rope, tb + lane, p.ctx_l2, p.ctx_l2_blocks);
   pdl_wait();
   if (rope_warp && p.rope_early == 2) look_up_rope();
-  if (ctx_warp && p.ctx_l2_late) prefetch_token_context(p.rope, tb + lane, p.ctx_l2, p.ctx_l2_blocks);
   XView x{p.xfq, p.xfs, p.xfsum, p.xfhi, p.xflo, p.xfh, 0};
   const float* scale = nullptr;
   if constexpr (H) {

@@ -53,9 +53,8 @@ struct MmArgs {
   int rope_early = 0;  // rope_on: the tokens' rope_target looked up per element (0), or once per CTA by the
                        // last warp before the wait (1) or after it (2): rope_mode
   int ctx_l2 = 0;      // rope_on, rope_early != 0: each token's latest ctx_l2 K/V positions asked into L2
-                       // (prefetch_token_context); 0 = none
+                       // before the wait (prefetch_token_context); 0 = none
   int ctx_l2_blocks = 0;  // the most cache blocks such a window spans
-  int ctx_l2_late = 0;    // 1: asked after pdl_wait (A/B timing), 0: before it
   const double* rms_part = nullptr;  // staged rows with a deferred RMSNorm (ActBuf::rms_part): [n][rms_blocks]
   float rms_eps = 0;
   int rms_blocks = 0;                // sums of squares per token: k / 32, or k / 16 (ActBuf::rms_block)

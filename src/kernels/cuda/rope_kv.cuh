@@ -89,12 +89,11 @@ __device__ __forceinline__ void prefetch_kv_context(const RopeKvArgs& a, int lan
 __device__ __forceinline__ void prefetch_token_context(const RopeKvArgs& a, int t, int lim, int nbm) {
   const int pos = a.d_pos[t], seq = a.d_seq[t], lo = max(0, pos - lim), bs = a.kv.block_size;
   const int64_t row = a.kv_dim * (a.kv.f16 ? 2 : 4);
-  const int32_t* table = a.kv.d_table + (int64_t)seq * a.kv.max_blocks;
-  const int g = (int)gridDim.x, b0 = lo / bs;
+  const int g = (int)gridDim.x;
   const int first = (((int)blockIdx.x - t * nbm) % g + g) % g;
-  for (int b = b0 + first; b * bs < pos; b += g) {
+  for (int b = lo / bs + first; b * bs < pos; b += g) {
     const int p0 = max(lo, b * bs), p1 = min(pos, (b + 1) * bs);
-    const int64_t off = ((int64_t)table[b] * bs + (p0 - b * bs)) * row;
+    const int64_t off = kv_slot(a.kv, seq, p0) * row;
     const uint32_t n = (uint32_t)((p1 - p0) * row);
     prefetch_l2(static_cast<const char*>(a.kv.d_k) + off, n);
     prefetch_l2(static_cast<const char*>(a.kv.d_v) + off, n);
