@@ -17,7 +17,7 @@ VOCAB=${MERLIN_VOCAB_DIR:-${MERLIN_CACHE:-$HOME/.cache/merlin}/gpt2}
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/gpt2" "$stage/lib" "$PACK"
-NAMES=${NAMES:-merlin cuda_kernels_test cuda_matvec1_test cuda_sample_test cuda_gemm_test cuda_attention_test \
+NAMES=${NAMES:-merlin cuda_kernels_test cuda_matvec1_test cuda_matvec_few_test cuda_sample_test cuda_gemm_test cuda_attention_test \
 cuda_backend_test cuda_matvec libmerlin_cuda_trace.so}
 for name in $NAMES; do
   f=$(find "$BUILD" -name "$name" -type f -perm -u+x 2>/dev/null | head -n 1)

@@ -18,7 +18,7 @@ source "$(dirname "$0")/gpu_env.sh"
 IFS=';' read -r -a settings <<<"${SETTINGS:-;MERLIN_CUDA_GEMM_MIN=0}"
 [ ${#settings[@]} -eq 0 ] && settings=("")
 if [ "${TESTS:-1}" = 1 ]; then
-  for t in cuda_kernels_test cuda_matvec1_test cuda_sample_test cuda_gemm_test cuda_attention_test cuda_backend_test; do
+  for t in cuda_kernels_test cuda_matvec1_test cuda_matvec_few_test cuda_sample_test cuda_gemm_test cuda_attention_test cuda_backend_test; do
     "$BIN/$t" --gtest_brief=1 >>"$OUT/tests.log" 2>&1 && echo "PASS $t" || echo "FAIL $t"
   done
   grep -E "FAILED|Failure|^\[ (logits|gemm|flash) " "$OUT/tests.log" | head -80

@@ -3,7 +3,7 @@
 #
 #   scripts/gpu_test.sh [BIN_DIR] [STAGES]
 #
-# BIN_DIR holds merlin, cuda_kernels_test, cuda_matvec1_test, cuda_sample_test, cuda_gemm_test and cuda_backend_test (and gpt2/ with encoder.json + vocab.bpe for
+# BIN_DIR holds merlin, cuda_kernels_test, cuda_matvec1_test, cuda_matvec_few_test, cuda_sample_test, cuda_gemm_test and cuda_backend_test (and gpt2/ with encoder.json + vocab.bpe for
 # `merlin init`; cuda_matvec for the matvec stage); default build-gpu. STAGES: comma-separated subset of
 # tests,sanitize,serve,serve-load,sample,matvec,bench-base,bench-big (default tests,sanitize,serve,bench-base). `sample`
 # times `merlin run` on the default model: greedy, and sampled with rows cut into slices and with one CTA per row. `matvec` times
@@ -23,12 +23,18 @@ log() { echo "[gpu_test] $*" | tee -a "$OUT/summary.txt"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 
 if has tests; then
-  for t in "$BIN"/cuda_kernels_test "$BIN"/cuda_matvec1_test "$BIN"/cuda_sample_test "$BIN"/cuda_gemm_test "$BIN"/cuda_attention_test "$BIN"/cuda_backend_test; do
+  for t in "$BIN"/cuda_kernels_test "$BIN"/cuda_matvec1_test "$BIN"/cuda_matvec_few_test "$BIN"/cuda_sample_test "$BIN"/cuda_gemm_test "$BIN"/cuda_attention_test "$BIN"/cuda_backend_test; do
     if "$t" --gtest_brief=1 >>"$OUT/tests.log" 2>&1; then log "PASS $(basename "$t")"; else log "FAIL $(basename "$t")"; status=1; fi
   done
   # The batched RMSNorm fold is on by default: the backend's parity and paged tests once more with it off.
   if MERLIN_CUDA_NORM_FOLD_MM=0 "$BIN"/cuda_backend_test --gtest_brief=1 --gtest_filter='CudaBackend.Logits*:CudaBackend.Paged*:CudaBackend.Greedy*' \
       >>"$OUT/tests.log" 2>&1; then log "PASS cuda_backend_test (MERLIN_CUDA_NORM_FOLD_MM=0)"; else log "FAIL cuda_backend_test (MERLIN_CUDA_NORM_FOLD_MM=0)"; status=1; fi
+  # Steps of 2-3 tokens of the large models take the single-token kernels' multi-token instances
+  # (matvec_few_pays), which the test models' short rows never do: the backend's subsets once more with them
+  # in every 2-4-token step where they fit.
+  if MERLIN_CUDA_FEW=1 "$BIN"/cuda_backend_test --gtest_brief=1 \
+      --gtest_filter='CudaBackend.Logits*:CudaBackend.Paged*:CudaBackend.Greedy*:CudaBackend.Graph*:CudaBackend.Decode*' \
+      >>"$OUT/tests.log" 2>&1; then log "PASS cuda_backend_test (MERLIN_CUDA_FEW=1)"; else log "FAIL cuda_backend_test (MERLIN_CUDA_FEW=1)"; status=1; fi
   # The test models' short FFN rows (768) have the down product compute SwiGLU while staging; rows over 4,096
   # (iphone's) get the separate SwiGLU kernel instead: that path for the Q8_0-reading formats too; with it the
   # gate/up products take the SwiGLU epilogue, so the single-token instance families are compared on it as well.
@@ -56,7 +62,7 @@ fi
 if has sanitize; then
   # memcheck over the kernel tests and the backend's graph / paged paths (the slow whole-model parity tests
   # run the same kernels and are left out to keep the run short).
-  for spec in "cuda_kernels_test:CudaKernels.*" "cuda_matvec1_test:CudaMatvec1.*:CudaMatmulNorm.*:CudaMatmulSwiGlu.*:CudaMatmulHalf.*" "cuda_sample_test:CudaSample.*" "cuda_gemm_test:CudaGemm.*" "cuda_attention_test:CudaFlash*:CudaAttention.Q8*" "cuda_backend_test:CudaBackend.GraphReplay*:CudaBackend.Paged*:CudaBackend.GreedyIds*:CudaBackend.SampledIds*:CudaBackend.DecodeGreedy*:CudaBackend.DecodeSample*"; do
+  for spec in "cuda_kernels_test:CudaKernels.*" "cuda_matvec1_test:CudaMatvec1.*:CudaMatmulNorm.*:CudaMatmulSwiGlu.*:CudaMatmulHalf.*" "cuda_matvec_few_test:CudaMatvecFew.*" "cuda_sample_test:CudaSample.*" "cuda_gemm_test:CudaGemm.*" "cuda_attention_test:CudaFlash*:CudaAttention.Q8*" "cuda_backend_test:CudaBackend.GraphReplay*:CudaBackend.Paged*:CudaBackend.GreedyIds*:CudaBackend.SampledIds*:CudaBackend.DecodeGreedy*:CudaBackend.DecodeSample*"; do
     bin=${spec%%:*}; filter=${spec#*:}
     if "$SAN" --tool memcheck --error-exitcode 3 "$BIN/$bin" --gtest_brief=1 --gtest_filter="$filter" \
         >>"$OUT/sanitize.log" 2>&1; then log "memcheck clean: $bin ($filter)"; else log "memcheck FAILED: $bin"; status=1; fi

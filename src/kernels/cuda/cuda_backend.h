@@ -205,12 +205,15 @@ class CudaBackend final : public Backend {
   static int kv_l2_positions(const cuda::KvArgs& kv, int64_t kv_dim);
   // How a producer writes its reader's RMSNorm input (folds_norm, run_residual): not at all, as Q8_0 rows with
   // deferred block scales, or as the half plane with sums of squares per 16 outputs (H-kernel readers).
-  enum class Fold { None, Rows, Half };
+  // Rows: the row planes at one token, the fragment planes (matmul_norm) at 2+; Few: the row planes of a
+  // 2-4-token step (matvec_few_norm); Half: matmul_norm's half plane.
+  enum class Fold { None, Rows, Half, Few };
+  bool few(const Linear& l, int n) const;  // every matrix of l takes the 2-4-token kernels at n tokens
   Fold folds_norm(const Linear& producer, const Linear& reader, int n, bool half_ok) const;
   ActBuf folded_input(int n, Fold f) const;
   Fold run_residual(const Linear& l, const cuda::PrepArgs& p, int n, bool prepared, const float* next_norm,
                     const Linear* reader, bool half_ok, const ActBuf* in = nullptr);
-  const ActBuf* glu_input(const Linear& down, int n, int64_t ffn_off);
+  const ActBuf* glu_input(const Linear& down, int n, int64_t ffn_off, int64_t gu_ld);
   float* upload_floats(const std::vector<float>& v);
   // MERLIN_CUDA_TWICE=stage,... (timing only: the results are wrong) queues those stages' kernels twice per
   // step, so a replayed graph's step grows by what one of them costs inside it, overlap and launch included

@@ -5,6 +5,15 @@
 #include <algorithm>
 
 namespace merlin::cuda_backend_detail {
+// A 2-4-token step whose products all take the single-token kernels' multi-token instances (matvec_few_pays,
+// the choice matmul() makes for them too).
+bool CudaBackend::few(const Linear& l, int n) const {
+  if (n < 2 || use_gemm(l, n)) return false;
+  for (const Matrix& m : l.mats)
+    if (!cuda::matvec_few_pays(m, n)) return false;
+  return true;
+}
+
 bool CudaBackend::use_gemm(const Linear& l, int n) const {
   if (!gemm_ || n < gemm_min_) return false;
   for (const Matrix& m : l.mats)
@@ -105,7 +114,7 @@ int CudaBackend::kv_l2_positions(const cuda::KvArgs& kv, int64_t kv_dim) {
 bool CudaBackend::run_gate_up_swiglu(const Layer& L, const cuda::PrepArgs& norm, int n, int64_t ffn_off,
                                      const ActBuf* in) {
   if (!glu_fuse_ || L.gate_up.mats.size() != 1) return false;
-  if (n > 1 && (use_gemm(L.gate_up, n) || use_gemm(L.down, n))) return false;
+  if (n > 1 && (use_gemm(L.gate_up, n) || use_gemm(L.down, n) || few(L.gate_up, n))) return false;
   const ActKind kind = L.down.mats[0].act();
   for (const Matrix& m : L.down.mats)
     if (m.act() != kind || m.k != c_.ffn_dim) return false;
@@ -135,6 +144,12 @@ CudaBackend::Fold CudaBackend::folds_norm(const Linear& producer, const Linear& 
   if (!norm_fold_ || fuse_prep_ || producer.mats.size() != 1 || use_gemm(producer, n) || use_gemm(reader, n))
     return Fold::None;
   if (n > 1 && n > std::min(norm_fold_mm_, norm_act_.n_cap)) return Fold::None;
+  if (few(reader, n)) {  // the reader stages row planes: only a 2-4-token producer writes them
+    for (const Matrix& m : reader.mats)
+      if (m.act() != ActKind::Q8_0 || m.k != c_.dim) return Fold::None;
+    const Matrix& m = producer.mats[0];
+    return few(producer, n) && cuda::norm_fold_fits(m, c_.dim) ? Fold::Few : Fold::None;
+  }
   bool half = n > 1 && half_ok && norm_half_;
   for (const Matrix& m : reader.mats) {
     if (m.act() != ActKind::Q8_0 || m.k != c_.dim) return Fold::None;
@@ -156,6 +171,7 @@ ActBuf CudaBackend::folded_input(int n, Fold f) const {
   a.rms_eps = c_.norm_eps;
   a.rms_rows = n;
   a.rms_block = f == Fold::Half ? 16 : 32;
+  a.rms_in_rows = n == 1 || f == Fold::Few;
   return a;
 }
 
@@ -170,9 +186,11 @@ CudaBackend::Fold CudaBackend::run_residual(const Linear& l, const cuda::PrepArg
     const Matrix& m = l.mats[0];
     const ActBuf& x = in ? *in : act(m.act(), m.k);
     if (queue(stage_, [&] {
-          return n == 1 ? cuda::matvec1_norm(m, x, x_, c_.dim, true, next_norm, norm_act_, norm_part_, stream_)
-                        : cuda::matmul_norm(m, x, n, x_, c_.dim, c_.dim, true, next_norm, norm_act_, norm_part_,
-                                            stream_, f == Fold::Half);
+          if (n == 1) return cuda::matvec1_norm(m, x, x_, c_.dim, true, next_norm, norm_act_, norm_part_, stream_);
+          if (f == Fold::Few)
+            return cuda::matvec_few_norm(m, x, n, x_, c_.dim, c_.dim, true, next_norm, norm_act_, norm_part_, stream_);
+          return cuda::matmul_norm(m, x, n, x_, c_.dim, c_.dim, true, next_norm, norm_act_, norm_part_, stream_,
+                                   f == Fold::Half);
         }))
       return f;
     prepared = true;
@@ -190,14 +208,18 @@ CudaBackend::Fold CudaBackend::run_residual(const Linear& l, const cuda::PrepArg
 // two or three times as many blocks in flight per warp in the staging did not close the gap: 1,066 / 1,057).
 constexpr int64_t kGluStageMaxK = 4096;
 
-const ActBuf* CudaBackend::glu_input(const Linear& down, int n, int64_t ffn_off) {
-  if (n != 1 || glu_stage_ == GluStage::Never || down.mats.size() != 1 || use_gemm(down, n)) return nullptr;
+// Steps of 2-4 tokens whose down product takes the 2-4-token kernels stage each token's SwiGLU row the same
+// way (gu_ld apart).
+const ActBuf* CudaBackend::glu_input(const Linear& down, int n, int64_t ffn_off, int64_t gu_ld) {
+  if ((n != 1 && !few(down, n)) || glu_stage_ == GluStage::Never || down.mats.size() != 1 || use_gemm(down, n))
+    return nullptr;
   const Matrix& m = down.mats[0];
   if (m.act() != ActKind::Q8_0 || m.k != c_.ffn_dim || !cuda::matvec1_glu_fits(m)) return nullptr;
   if (glu_stage_ == GluStage::ShortRows && m.k > kGluStageMaxK) return nullptr;
   glu_in_ = act(m.act(), m.k);
   glu_in_.glu_src = gu_;
   glu_in_.glu_offset = ffn_off;
+  glu_in_.glu_ld = gu_ld;
   return &glu_in_;
 }
 
@@ -306,7 +328,7 @@ void CudaBackend::enqueue(int n, int n_out, Output out, const StepIo& io) {
     // batched head reads the rows it wants, not the step's tokens).
     const bool to_head = !next && n == 1 && n_out == 1;
     stage_ = kDown;
-    const ActBuf* down_in = glu_done ? nullptr : glu_input(L.down, n, ffn_off);
+    const ActBuf* down_in = glu_done ? nullptr : glu_input(L.down, n, ffn_off, gu_ld);
     attn_folded = run_residual(L.down, glu, n, glu_done, next ? next->attn_norm : to_head ? out_norm_ : nullptr,
                                next ? &next->qkv : to_head ? &head_ : nullptr, next != nullptr, down_in);
   }

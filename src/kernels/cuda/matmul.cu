@@ -25,7 +25,6 @@
 namespace merlin::cuda {
 namespace {
 
-
 // Shared memory a CTA may use for staged activations: two CTAs per SM below NT = 4, one at NT = 4.
 constexpr size_t kStageMax[3] = {64 << 10, 64 << 10, 160 << 10};
 int g_sm_count = 0;
@@ -609,13 +608,27 @@ bool prep_fuses(const Matrix& w, int n) {
          staged_bytes(w.fmt, w.k, n) <= kStageMax[0];
 }
 
+// Whether a product of n >= 2 tokens takes the 2-4-token kernels (matvec_few): where they pay and the input
+// is one they read (row planes: no deferred RMSNorm in the fragment planes). A deferred norm in row planes
+// or a SwiGLU row must go there (the batched kernels cannot read them).
+static bool few_input(const Matrix& w, const ActBuf& x, int n) {
+  if (x.rms_part && !x.rms_in_rows) return false;
+  if ((x.rms_part && x.rms_in_rows) || x.glu_src) {
+    MERLIN_CHECK(matvec_few_fits(w, n), "matmul: a deferred RMSNorm in row planes or a SwiGLU row for ", n,
+                 " tokens, which only the 2-4-token kernels read, for a product they do not take");
+    return true;
+  }
+  return matvec_few_pays(w, n);
+}
+
 void matmul(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out_rows, bool accumulate,
             Stream stream) {
   if (n <= 0) return;
   MERLIN_CHECK(x.kind == w.act() && x.k == w.k && n <= x.n_cap, "matmul: activation buffer does not fit the matrix");
-  MERLIN_CHECK(!x.rms_part || (n == x.rms_rows && (n == 1 ? x.rms_block == 32 : reads_norm_of(x, w, n))),
+  MERLIN_CHECK(!x.rms_part || (n == x.rms_rows && (n == 1 || x.rms_in_rows ? x.rms_block == 32 : reads_norm_of(x, w, n))),
                "matmul: this product cannot read a deferred RMSNorm (ActBuf::rms_part) of ", x.rms_rows, " rows as ", n,
                " tokens");
+  if (n >= 2 && few_input(w, x, n) && matvec_few(w, x, n, d_y, ldy, n_out_rows, accumulate, stream)) return;
   MERLIN_CHECK(!x.glu_src || n == 1, "matmul: a SwiGLU row (ActBuf::glu_src) is read by single-token products only");
   if (n == 1 && matvec1(w, x, d_y, n_out_rows, accumulate, stream)) return;
   MERLIN_CHECK(!x.glu_src, "matmul: no single-token kernel computes this SwiGLU row (ActBuf::glu_src)");
@@ -628,7 +641,8 @@ void matmul_argmax(const Matrix& w, const ActBuf& x, int n, int64_t n_out, unsig
                    Stream stream) {
   MERLIN_CHECK(matmul_argmax_fits(w, n), "matmul_argmax: F32 rows or fewer than two tokens");
   MERLIN_CHECK(x.kind == w.act() && x.k == w.k && n <= x.n_cap, "matmul_argmax: activation buffer does not fit");
-  MERLIN_CHECK(!x.rms_part || (n == x.rms_rows && reads_norm_of(x, w, n)),
+  if (few_input(w, x, n) && matvec_few_argmax(w, x, n, n_out, d_keys, stream)) return;
+  MERLIN_CHECK(!x.rms_part || (n == x.rms_rows && !x.rms_in_rows && reads_norm_of(x, w, n)),
                "matmul_argmax: this product cannot read a deferred RMSNorm of ", x.rms_rows, " rows as ", n, " tokens");
   MERLIN_CHECK(!x.glu_src, "matmul_argmax: a SwiGLU row (ActBuf::glu_src) is read by single-token products only");
   MmArgs p = product_args(w, x, n, nullptr, 0, n_out, false);
@@ -646,9 +660,13 @@ bool matmul_rope_kv(const Matrix& w, const ActBuf& x, int n, float* d_qkv, int64
                    r.v_off + r.kv_dim <= w.rows && ldy >= w.rows,
                "matmul_rope_kv: Q/K/V rows do not fit the matrix");
   if (w.fmt == kF32 || r.kv.q8) return false;
-  MERLIN_CHECK(!x.rms_part || (n == x.rms_rows && (n == 1 ? x.rms_block == 32 : reads_norm_of(x, w, n))),
+  MERLIN_CHECK(!x.rms_part || (n == x.rms_rows && (n == 1 || x.rms_in_rows ? x.rms_block == 32 : reads_norm_of(x, w, n))),
                "matmul_rope_kv: this product cannot read a deferred RMSNorm of ", x.rms_rows, " rows as ", n, " tokens");
   if (n == 1 && matvec1_rope_kv(w, x, d_qkv, r, stream)) {
+    if (context_l2) *context_l2 = r.l2_positions > 0;
+    return true;
+  }
+  if (n >= 2 && few_input(w, x, n) && matvec_few_rope_kv(w, x, n, d_qkv, ldy, r, stream)) {
     if (context_l2) *context_l2 = r.l2_positions > 0;
     return true;
   }
@@ -663,8 +681,9 @@ bool matmul_rope_kv(const Matrix& w, const ActBuf& x, int n, float* d_qkv, int64
 void matmul_prep(const Matrix& w, const PrepArgs& prep, ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out_rows,
                  bool accumulate, Stream stream) {
   if (n <= 0) return;
-  // One token goes to the dedicated single-token kernel (matvec1.h), which has no fused variant.
-  if (!prep_fuses(w, n) || n == 1) {
+  // One token goes to the dedicated single-token kernel (matvec1.h), 2-4 tokens to its multi-token instances
+  // where they fit (matvec_few): neither has a fused variant.
+  if (!prep_fuses(w, n) || n == 1 || matvec_few_pays(w, n)) {
     prep_act(prep, n, x, stream);
     matmul(w, x, n, d_y, ldy, n_out_rows, accumulate, stream);
     return;

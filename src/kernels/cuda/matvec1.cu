@@ -31,303 +31,10 @@
 #include <cstring>
 
 #include "core/sys.h"
-#include "kernels/cuda/act_impl.cuh"
-#include "kernels/cuda/common.cuh"
-#include "kernels/cuda/fragment.cuh"
-#include "kernels/cuda/matrix_layout.cuh"
-#include "kernels/cuda/matvec1.h"
-#include "kernels/cuda/ops.h"
-#include "kernels/cuda/matvec1_rounds.cuh"
-#include "kernels/cuda/matvec1_stage.cuh"
-#include "kernels/cuda/rope_kv.cuh"
+#include "kernels/cuda/matvec1_kernel.cuh"
 
 namespace merlin::cuda {
 namespace {
-
-// Where a warp is in its (tile group, round) sequence; every warp of the CTA walks the same number of items,
-// so the per-group reduction (a CTA barrier) comes at the same item for all.
-struct Cursor {
-  int grp, r;  // group index (global) and round
-};
-
-// The next RMSNorm's input from 32 consecutive final rows y (one per lane, row = the lane's row), with a
-// deferred scale (norm_block); a single-token reader completes it in stage_x (deferred_rms).
-__device__ __forceinline__ void emit_norm(const Mv1Args& p, int64_t row, float y, float w) {
-  const NormBlock b = norm_block(y, w);
-  p.norm_out.q[row] = (int8_t)b.q;
-  if ((threadIdx.x & 31) == 0) {
-    p.norm_out.scale[row / 32] = b.scale;
-    p.norm_out.sum[row / 32] = b.sum;
-    p.norm_part[row / 32] = b.sum_sq;
-  }
-}
-
-// Adds the S warps' row sums of the tile group in a fixed order and writes (or adds) the outputs.
-// With rope_on, row r goes through rope_store with its pair partner r ^ 1 (same tile): lane ^ 4 holds it
-// when a warp owns the tile, thread ^ 1 after the shared-memory reduction.
-// With `early`, res0 / res1 hold the rows' previous values (prefetch_residual), read before the group's
-// work instead of after it: the same sums, one memory round trip less at the end of a decode step's kernel.
-// Norm: S >= 2 (the host sees to it), so whole warps hold 32 consecutive rows, one Q8_0 block of the next
-// RMSNorm's input, which emit_norm writes from the rows' final values (nw: the thread's row's norm weight).
-// Argmax: `best` is the largest key of the rows this thread wrote. R: the rows go through rope_store never
-// (0), always (1, the RoPE instance) or when p.rope_on says so (2, instances with kRunRope).
-template <int R>
-__device__ __forceinline__ bool rope_rows(const Mv1Args& p) { return R == 1 || (R == 2 && p.rope_on); }
-
-template <bool Norm, int W, bool Argmax, int R>
-__device__ __forceinline__ void finish_group(const Mv1Args& p, int grp, int warp, int lane, float acc0, float acc1,
-                                             float (*red)[16], const RopeTarget& at, bool early, float res0,
-                                             float res1, float nw, unsigned long long& best) {
-  // The 4 lanes of a row: xor shuffles give every lane the same sum (float addition is commutative).
-  acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
-  acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
-  acc0 += __shfl_xor_sync(0xffffffffu, acc0, 2);
-  acc1 += __shfl_xor_sync(0xffffffffu, acc1, 2);
-  const int S = 1 << p.lsplit, tpg = W >> p.lsplit;
-  if (!Norm && S == 1) {  // a warp owns its tile: no barrier needed
-    if (rope_rows<R>(p)) {
-      const float w0 = __shfl_xor_sync(0xffffffffu, acc0, 4), w1 = __shfl_xor_sync(0xffffffffu, acc1, 4);
-      const int64_t r0 = ((int64_t)grp * tpg + warp) * 16 + (lane >> 2);
-      if ((lane & 3) == 0 && r0 < p.n_out) rope_store(p.rope, p.y, r0, acc0, w0, at);
-      if ((lane & 3) == 0 && r0 + 8 < p.n_out) rope_store(p.rope, p.y, r0 + 8, acc1, w1, at);
-      return;
-    }
-    if ((lane & 3) == 0) {
-      const int64_t r0 = ((int64_t)grp * tpg + warp) * 16 + (lane >> 2);
-      if (r0 < p.n_out) p.y[r0] = p.accumulate ? (early ? res0 : p.y[r0]) + acc0 : acc0;
-      if (r0 + 8 < p.n_out) p.y[r0 + 8] = p.accumulate ? (early ? res1 : p.y[r0 + 8]) + acc1 : acc1;
-      if constexpr (Argmax) {  // not accumulating (the host sees to it)
-        if (r0 < p.n_out) best = max(best, argmax_key(acc0, r0));
-        if (r0 + 8 < p.n_out) best = max(best, argmax_key(acc1, r0 + 8));
-      }
-    }
-    return;
-  }
-  if ((lane & 3) == 0) {
-    red[warp][lane >> 2] = acc0;
-    red[warp][(lane >> 2) + 8] = acc1;
-  }
-  __syncthreads();
-  const int n_act = tpg * 16;
-  if ((int)threadIdx.x < ((n_act + 31) & ~31)) {  // whole warps, for the partner shuffle
-    const bool act = (int)threadIdx.x < n_act;
-    const int ts = threadIdx.x >> 4, rr = threadIdx.x & 15;
-    float v = 0.f;
-    if (act)
-      for (int s = 0; s < S; ++s) v += red[ts * S + s][rr];
-    const int64_t row = ((int64_t)grp * tpg + ts) * 16 + rr;
-    if (rope_rows<R>(p)) {
-      const float w = __shfl_xor_sync(0xffffffffu, v, 1);
-      if (act && row < p.n_out) rope_store(p.rope, p.y, row, v, w, at);
-    } else if (Norm) {
-      const bool valid = act && row < p.n_out;  // n_out % 32 == 0: whole warps valid or not
-      if (valid) {
-        const float y = p.accumulate ? (early ? res0 : p.y[row]) + v : v;
-        p.y[row] = y;
-        emit_norm(p, row, y, nw);
-      }
-    } else if (act && row < p.n_out) {
-      p.y[row] = p.accumulate ? (early ? res0 : p.y[row]) + v : v;
-      if constexpr (Argmax) best = max(best, argmax_key(v, row));
-    }
-  }
-  // No second barrier: the next group uses the other half of the (double) red buffer, and a warp can only
-  // write that half again after the next group's barrier, which every reader of this half has passed.
-}
-
-// Glu variant: the group's gate tiles are slots 0 .. tpg/2 - 1, the matching up tiles the others. Output o of
-// the group (gate row and up row o) is summed in the order finish_group sums a row, then emitted by whole
-// warps (32 consecutive outputs: one Q8_0 block).
-__device__ __forceinline__ void finish_glu(const Mv1Args& p, int grp, int warp, int lane, float acc0, float acc1,
-                                           float (*red)[16]) {
-  acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
-  acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
-  acc0 += __shfl_xor_sync(0xffffffffu, acc0, 2);
-  acc1 += __shfl_xor_sync(0xffffffffu, acc1, 2);
-  if ((lane & 3) == 0) {
-    red[warp][lane >> 2] = acc0;
-    red[warp][(lane >> 2) + 8] = acc1;
-  }
-  __syncthreads();
-  const int S = 1 << p.lsplit, half = (kWarps >> p.lsplit) >> 1;
-  if ((int)threadIdx.x >= half * 16) return;  // 32 or 64 threads: whole warps
-  const int ts = threadIdx.x >> 4, rr = threadIdx.x & 15;
-  float g, u;
-  if (S == 1) {  // finish_group takes a lone warp's sum as it is
-    g = red[ts][rr];
-    u = red[ts + half][rr];
-  } else {
-    g = 0.f, u = 0.f;
-    for (int s = 0; s < S; ++s) g += red[ts * S + s][rr];
-    for (int s = 0; s < S; ++s) u += red[(ts + half) * S + s][rr];
-  }
-  const int64_t o = ((int64_t)grp * half + ts) * 16 + rr;
-  const bool valid = o < (int64_t)p.glu_tiles * 16;  // whole blocks of 32: ffn % 32 == 0
-  const float v = valid ? swiglu(g, u) : 0.f;
-  ActBuf out = p.glu_out;
-  switch (out.kind) {
-    case ActKind::Q8_0: emit<(int)ActKind::Q8_0>(v, valid, 0, o, out); break;
-    case ActKind::F16: emit<(int)ActKind::F16>(v, valid, 0, o, out); break;
-    case ActKind::BF16: emit<(int)ActKind::BF16>(v, valid, 0, o, out); break;
-    default: emit<(int)ActKind::F32>(v, valid, 0, o, out); break;
-  }
-}
-
-// The previous values of the rows finish_group writes for tile group grp, in the threads that write them.
-template <int W>
-__device__ __forceinline__ void prefetch_residual(const Mv1Args& p, int grp, int warp, int lane, float& res0,
-                                                  float& res1) {
-  const int S = 1 << p.lsplit, tpg = W >> p.lsplit;
-  if (S == 1) {
-    if ((lane & 3) == 0) {
-      const int64_t r0 = ((int64_t)grp * tpg + warp) * 16 + (lane >> 2);
-      if (r0 < p.n_out) res0 = p.y[r0];
-      if (r0 + 8 < p.n_out) res1 = p.y[r0 + 8];
-    }
-  } else if ((int)threadIdx.x < tpg * 16) {
-    const int64_t row = ((int64_t)grp * tpg + (threadIdx.x >> 4)) * 16 + (threadIdx.x & 15);
-    if (row < p.n_out) res0 = p.y[row];
-  }
-}
-
-__device__ __forceinline__ void advance(const Mv1Args& p, Cursor& c) {
-  if (++c.r == p.rounds) {
-    c.r = 0;
-    c.grp += gridDim.x;
-  }
-}
-
-// CTAs per SM the register budget must allow (MB): 2 (128 registers) for every format. Measured on the H200
-// (cuda_matvec, 2026-11-29), 3 CTAs at 80 registers streamed less for each 4-bit format, e.g. 4096 x 16384:
-// Q4_0 55 % against 69 %, Q4_K 64 % / 76 %, MXFP4 40 % / 53 % of the copy bandwidth, and Q8_0 spills at 80.
-// Both variants are compiled so that MERLIN_CUDA_MV1=2 or =3 can force one for timing.
-__host__ __device__ constexpr int min_blocks(int) { return 2; }
-
-// The norm weight of the row this thread finishes in tile group grp (finish_group's thread-per-row order).
-template <int W>
-__device__ __forceinline__ float norm_weight(const Mv1Args& p, int grp) {
-  const int tpg = W >> p.lsplit;
-  if ((int)threadIdx.x >= tpg * 16) return 0.0f;
-  const int64_t row = ((int64_t)grp * tpg + (threadIdx.x >> 4)) * 16 + (threadIdx.x & 15);
-  return row < p.n_out ? __ldg(p.norm_w + row) : 0.0f;
-}
-
-// Warps per CTA: the Norm variant's groups must hold whole Q8_0 blocks (2 tiles, S <= W / 2); 16 warps let
-// it split each tile over 8 warps as the plain product does for short rows (base) and small matrices that
-// cover the SMs once (macbook's Wo and down), at 1 CTA per SM instead of 2.
-__host__ __device__ constexpr int warps_of(int epi) { return epi == kEpiNorm ? kNormWarps : kWarps; }
-
-// Argmax: the CTA's largest key (a warp shuffle tree, then warp 0 over the warps), one atomicMax per CTA.
-template <int W>
-__device__ __forceinline__ void publish_argmax(const Mv1Args& p, unsigned long long best) {
-  __shared__ unsigned long long warp_best[W];
-  for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
-  if ((threadIdx.x & 31) == 0) warp_best[threadIdx.x >> 5] = best;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < W; ++w) best = max(best, warp_best[w]);
-    if (best != 0ull) atomicMax(p.argmax, best);
-  }
-}
-
-// G: the row is staged as SwiGLU of the gate/up row (stage_x). Run: what the instance decides at run time,
-// kRunRope (RoPE by p.rope_on) and kRunGlu (the SwiGLU staging by p.glu_src); kRunAll is the general instance
-// every launch took before the thirty-first session (instance families: pick_instance).
-enum Run : int { kRunNone = 0, kRunRope = 1, kRunGlu = 2, kRunAll = 3 };
-template <int F, int MB, int E, bool X, bool G, int Run>
-__global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
-  constexpr bool Glu = E == kEpiGlu, Norm = E == kEpiNorm, Argmax = E == kEpiArgmax;
-  constexpr int R = E == kEpiRope ? 1 : (Run & kRunRope) ? 2 : 0;
-  unsigned long long best = 0ull;
-  constexpr int W = warps_of(E);
-  extern __shared__ __align__(16) uint8_t smem[];
-  __shared__ float red[2][W][16];
-  constexpr bool kCs = R != 0 && MB < 3;  // not at 3 CTAs per SM (80 registers): the copy made it spill
-  __shared__ __align__(16) float cs_rows[kCs ? W : 1][kCs ? kRopeCsMax : 1];  // rope_cs: each warp's copy of the row
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
-  const int S = 1 << p.lsplit;
-  const int slot = warp >> p.lsplit, sub = warp & (S - 1);
-  const int tpg = W >> p.lsplit;
-  // Items of this CTA: groups blockIdx.x, + gridDim.x, ...; rounds 0 .. rounds - 1 of each.
-  // (grid <= groups, so every CTA has a group; the launch divides, not each CTA before its first load)
-  const int my_groups = p.groups_q + ((int)blockIdx.x < p.groups_r ? 1 : 0);
-  const int n_items = my_groups * p.rounds;
-  const int half = tpg >> 1;
-  auto tile_of = [&](const Cursor& c) {
-    if constexpr (Glu) return slot < half ? c.grp * half + slot : p.glu_up_tile + c.grp * half + slot - half;
-    return c.grp * tpg + slot;
-  };
-  auto chunk_of = [&](const Cursor& c) { return (sub + c.r * S) * kRound; };
-  auto nc_of = [&](const Cursor& c) {
-    if constexpr (Glu) return c.grp * half + (slot < half ? slot : slot - half) < p.glu_tiles ? p.n_chunks : 0;
-    return tile_of(c) < p.tiles ? p.n_chunks : 0;
-  };
-
-  // The first round is requested before pdl_wait (weights do not depend on earlier kernels). Requesting
-  // the second one there too made ptxas spill in every variant.
-  Round<F> ra{}, rb{};
-  Cursor cur{(int)blockIdx.x, 0};
-  if (n_items > 0) load_round<F, X>(p, tile_of(cur), chunk_of(cur), nc_of(cur), lane, ra);
-  RopeTarget at{};
-  if (rope_rows<R>(p)) {
-    at = rope_target(p.rope);
-    if (warp == W - 1) prefetch_kv_context(p.rope, lane);
-    if constexpr (kCs) {
-      if (p.rope_cs) copy_cs_row(at, p.rope.n_rot, cs_rows[warp], lane);
-    }
-  }
-  float nw = Norm && n_items > 0 ? norm_weight<W>(p, (int)blockIdx.x) : 0.0f;  // the first group's, like its first round
-  // L2 prefetch (lane 0) of the items after the first, which are loaded into registers only one ahead.
-  if (p.l2_items > 0 && lane == 0) {
-    Cursor c = cur;
-    for (int i = 1; i < n_items && i <= p.l2_items; ++i) {
-      advance(p, c);
-      prefetch_round<F>(p, tile_of(c), chunk_of(c), nc_of(c));
-    }
-  }
-  pdl_trigger();
-  pdl_wait();
-  bool early = !Glu && p.accumulate && p.resid_early && n_items > 0;
-  float res0 = 0.f, res1 = 0.f;
-  if (early) prefetch_residual<W>(p, (int)blockIdx.x, warp, lane, res0, res1);
-  stage_x<F, W, G, (Run & kRunGlu) != 0>(p, smem);
-  const uint2* xq = reinterpret_cast<const uint2*>(smem);
-  const float* xs = reinterpret_cast<const float*>(smem + p.k);
-  float acc0 = 0.f, acc1 = 0.f;
-  int parity = 0;
-  // Item i: request item i + 1 into `next`, compute `now`, finish the tile group after its last round.
-  auto item = [&](int i, const Round<F>& now, Round<F>& next) {
-    Cursor nx = cur;
-    advance(p, nx);
-    if (i + 1 < n_items) load_round<F, X>(p, tile_of(nx), chunk_of(nx), nc_of(nx), lane, next);
-    compute_round<F, X>(p, now, chunk_of(cur), nc_of(cur), xq, xs, t, acc0, acc1);
-    if (cur.r == p.rounds - 1) {
-      if constexpr (Glu) finish_glu(p, cur.grp, warp, lane, acc0, acc1, red[parity]);
-      else finish_group<Norm, W, Argmax, R>(p, cur.grp, warp, lane, acc0, acc1, red[parity], at, early, res0, res1, nw, best);
-      early = false;
-      if constexpr (Norm) {
-        if (i + 1 < n_items) nw = norm_weight<W>(p, nx.grp);  // requested before the next group's rounds
-      }
-      parity ^= 1;
-      acc0 = acc1 = 0.f;
-    }
-    cur = nx;
-  };
-  for (int i = 0; i < n_items; i += 2) {
-    item(i, ra, rb);
-    if (i + 1 < n_items) item(i + 1, rb, ra);
-  }
-  if constexpr (Argmax) publish_argmax<W>(p, best);
-}
-
-// Staged activation bytes (stage_x): codes and scales, for Q4_0 16 bytes per 8 codes.
-template <int F>
-size_t smem_bytes(int64_t k) { return F == kQ4_0 ? (size_t)k * 2 : (size_t)k + (size_t)(k / 32) * 4; }
-// With a SwiGLU row (stage_glu): the scratch Q8_0 row after the staged bytes, 16-byte aligned.
-template <int F>
-size_t glu_scratch_off(int64_t k) { return (smem_bytes<F>(k) + 15) / 16 * 16; }
-template <int F>
-size_t smem_bytes_glu(int64_t k) { return glu_scratch_off<F>(k) + (size_t)k + (size_t)(k / 32) * 4; }
 
 int g_sm_count = 0;
 int g_split_override = -1;  // set_matvec1_split (tests): log2 of the warps per tile, -1 = chosen per matrix
@@ -346,28 +53,81 @@ int g_split_override = -1;  // set_matvec1_split (tests): log2 of the warps per 
 //  - mid: the QKV and the plain gate/up products share one instance (RoPE at run time), the Wo and down
 //    products another (the SwiGLU staging at run time): 2 per layer, each smaller than a general one;
 //  - general (kRunAll): RoPE and the staging at run time in every instance.
+//
+// Steps of 2-4 tokens (mv1_kernel's NT, matvec_few) take three instances per format and token count: the
+// general plain one (RoPE and the SwiGLU staging at run time: QKV, gate/up, and a down product without the
+// fold), the general Norm one (Wo, down) and the lean argmax one (the head): three kernels per layer, as the
+// mid family runs at one token.
 struct Key {  // the instance a launch takes (kernel_of)
   int mb, epi;
   bool x, g;
   int run;
+  int nt = 1;  // tokens
 };
-constexpr int kVariants = 2 * kEpis * 2 * 2 * 4;
+constexpr int kVariants = 2 * kEpis * 2 * 2 * 4 * kFewMax;
 constexpr int variant_of(const Key& k) {
-  return ((((k.mb == 3 ? 1 : 0) * kEpis + k.epi) * 2 + (k.x ? 1 : 0)) * 2 + (k.g ? 1 : 0)) * 4 + k.run;
+  return (((((k.mb == 3 ? 1 : 0) * kEpis + k.epi) * 2 + (k.x ? 1 : 0)) * 2 + (k.g ? 1 : 0)) * 4 + k.run) * kFewMax +
+         k.nt - 1;
 }
+
+using Mv1Kernel = void (*)(Mv1Args);
 
 // CTAs per SM of each variant for rows up to (bucket + 1) * kKBucket, [F][variant][bucket].
 int g_resident[8][kVariants][kBuckets] = {};
 
-template <int F, int MB, int E, bool X, bool G, int Run>
+template <int F, int MB, int E, bool X, bool G, int Run, int NT = 1>
 void prepare_one() {
-  const auto kernel = mv1_kernel<F, MB, E, X, G, Run>;
-  MERLIN_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes_glu<F>(kMaxK)));
-  const int v = variant_of(Key{MB, E, X, G, Run});
-  for (int b = 0; b < kBuckets; ++b)
+  const auto kernel = mv1_kernel<F, MB, E, X, G, Run, NT>;
+  const int64_t max_k = NT == 1 ? kMaxK : kFewMaxK;
+  MERLIN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)smem_bytes_glu<F>(max_k, NT)));
+  const int v = variant_of(Key{MB, E, X, G, Run, NT});
+  for (int b = 0; b < kBuckets && (b + 1) * kKBucket <= max_k; ++b)
     MERLIN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&g_resident[F][v][b], kernel, warps_of(E) * 32,
-                                                                     smem_bytes<F>((b + 1) * kKBucket)));
+                                                                     smem_rows<F>((b + 1) * kKBucket, NT)));
+}
+
+// The 2-4-token instances of format F (see Key).
+template <int F, int NT>
+void prepare_few_nt() {
+  prepare_one<F, 2, kEpiPlain, false, false, kRunAll, NT>();
+  prepare_one<F, 2, kEpiPlain, true, false, kRunAll, NT>();
+  prepare_one<F, 1, kEpiNorm, false, false, kRunAll, NT>();
+  prepare_one<F, 1, kEpiNorm, true, false, kRunAll, NT>();
+  prepare_one<F, 2, kEpiArgmax, false, false, kRunNone, NT>();
+  prepare_one<F, 2, kEpiArgmax, true, false, kRunNone, NT>();
+}
+template <int F>
+void prepare_few() {
+  prepare_few_nt<F, 2>();
+  prepare_few_nt<F, 3>();
+  prepare_few_nt<F, 4>();
+}
+
+template <int F, int NT>
+Mv1Kernel few_kernel_nt(int epi, bool x) {
+  if (epi == kEpiNorm) return x ? mv1_kernel<F, 1, kEpiNorm, true, false, kRunAll, NT> : mv1_kernel<F, 1, kEpiNorm, false, false, kRunAll, NT>;
+  if (epi == kEpiArgmax)
+    return x ? mv1_kernel<F, 2, kEpiArgmax, true, false, kRunNone, NT> : mv1_kernel<F, 2, kEpiArgmax, false, false, kRunNone, NT>;
+  return x ? mv1_kernel<F, 2, kEpiPlain, true, false, kRunAll, NT> : mv1_kernel<F, 2, kEpiPlain, false, false, kRunAll, NT>;
+}
+// The instance prepare_few() built for a launch of nt tokens with epilogue epi (the RoPE epilogue is the
+// plain instance's run-time branch).
+template <int F>
+Mv1Kernel few_kernel(int epi, bool x, int nt) {
+  if constexpr (reads_q8_0<F>()) {
+    switch (nt) {
+      case 2: return few_kernel_nt<F, 2>(epi, x);
+      case 3: return few_kernel_nt<F, 3>(epi, x);
+      default: return few_kernel_nt<F, 4>(epi, x);
+    }
+  }
+  fail("matvec_few: no 2-4-token kernel for this format");
+}
+Key few_key(int epi, bool x, int nt) {
+  if (epi == kEpiNorm) return Key{1, kEpiNorm, x, false, kRunAll, nt};
+  if (epi == kEpiArgmax) return Key{2, kEpiArgmax, x, false, kRunNone, nt};
+  return Key{2, kEpiPlain, x, false, kRunAll, nt};
 }
 
 // Whether an instance of epilogue e and run-time set run is also built with MB = 3: the plain ones, not
@@ -400,9 +160,8 @@ void prepare() {
   prepare_instance<F, kEpiGlu, false, kRunAll>();
   prepare_instance<F, kEpiArgmax, false, kRunAll>();
   prepare_instance<F, kEpiNorm, false, kRunAll>();
+  if constexpr (reads_q8_0<F>()) prepare_few<F>();
 }
-
-using Mv1Kernel = void (*)(Mv1Args);
 
 template <int F, int E, bool G, int Run>
 Mv1Kernel instance(int mb, bool x) {
@@ -603,7 +362,7 @@ struct Extra {
 
 template <int F>
 void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool accumulate, Stream stream,
-            const Extra& e) {
+            const Extra& e, int nt, int64_t ldy) {
   const Geometry geo = geometry(F, w.rows, w.k);
   Mv1Args p{};
   p.q = w.q;
@@ -619,7 +378,10 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
   p.rms_eps = x.rms_eps;
   p.glu_src = x.glu_src;
   p.glu_offset = x.glu_offset;
-  p.glu_scratch = (int64_t)glu_scratch_off<F>(w.k);
+  p.glu_ld = x.glu_ld;
+  p.glu_scratch = (int64_t)glu_scratch_off<F>(w.k, nt);
+  p.ldy = ldy;
+  p.x_stride = (int64_t)staged_stride<F>(w.k);
   p.y = d_y;
   p.n_out = n_out;
   p.accumulate = accumulate ? 1 : 0;
@@ -641,17 +403,17 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
   p.argmax = e.argmax;
   p.l2_items = l2_items(w);
   const int epi = e.glu_out ? kEpiGlu : e.norm_out ? kEpiNorm : e.argmax ? kEpiArgmax : e.rope ? kEpiRope : kEpiPlain;
-  const int mb = epi == kEpiNorm ? 1 : epi != kEpiPlain || mv1_mode() < 2 ? min_blocks(F) : mv1_mode();
+  const int mb = epi == kEpiNorm ? 1 : epi != kEpiPlain || mv1_mode() < 2 || nt > 1 ? min_blocks(F) : mv1_mode();
   const bool exact = mb != 3 && exact_rounds(F, geo) && !exact_off();
-  const Key key = pick_instance(F, mb, epi, exact, x.glu_src != nullptr, w.k);
+  const Key key = nt > 1 ? few_key(epi, exact, nt) : pick_instance(F, mb, epi, exact, x.glu_src != nullptr, w.k);
   const int per_sm = std::max(1, g_resident[F][variant_of(key)][(w.k - 1) / kKBucket]);
   const int64_t ctas = (int64_t)g_sm_count * per_sm;
   choose_split(p, ctas, tie_by_warps(F, epi == kEpiGlu), epi == kEpiGlu, epi == kEpiNorm);
   const unsigned grid = (unsigned)std::min<int64_t>(p.groups, ctas);
   p.groups_q = p.groups / (int)grid;
   p.groups_r = p.groups % (int)grid;
-  const size_t smem = x.glu_src ? smem_bytes_glu<F>(w.k) : smem_bytes<F>(w.k);
-  const Mv1Kernel kernel = kernel_of<F>(key);
+  const size_t smem = x.glu_src ? smem_bytes_glu<F>(w.k, nt) : smem_rows<F>(w.k, nt);
+  const Mv1Kernel kernel = nt > 1 ? few_kernel<F>(epi, exact, nt) : kernel_of<F>(key);
   apply_carveout(reinterpret_cast<const void*>(kernel), mv1_carveout(F, w.k));
   launch_pdl(kernel, dim3(grid), dim3(warps_of(epi) * 32), smem, stream, p);
   check_launch("matvec1");
@@ -676,11 +438,11 @@ bool dispatch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out_rows, 
   const int64_t n_out = std::min(n_out_rows, w.rows);
   if (n_out <= 0) return true;
   switch (w.fmt) {
-    case kQ8_0: launch<kQ8_0>(w, x, d_y, n_out, accumulate, stream, e); return true;
-    case kQ4_0: launch<kQ4_0>(w, x, d_y, n_out, accumulate, stream, e); return true;
-    case kMXFP4: launch<kMXFP4>(w, x, d_y, n_out, accumulate, stream, e); return true;
-    case kQ4_K: launch<kQ4_K>(w, x, d_y, n_out, accumulate, stream, e); return true;
-    case kTQ2: launch<kTQ2>(w, x, d_y, n_out, accumulate, stream, e); return true;
+    case kQ8_0: launch<kQ8_0>(w, x, d_y, n_out, accumulate, stream, e, 1, 0); return true;
+    case kQ4_0: launch<kQ4_0>(w, x, d_y, n_out, accumulate, stream, e, 1, 0); return true;
+    case kMXFP4: launch<kMXFP4>(w, x, d_y, n_out, accumulate, stream, e, 1, 0); return true;
+    case kQ4_K: launch<kQ4_K>(w, x, d_y, n_out, accumulate, stream, e, 1, 0); return true;
+    case kTQ2: launch<kTQ2>(w, x, d_y, n_out, accumulate, stream, e, 1, 0); return true;
     case kF16:
     case kBF16:
       MERLIN_CHECK(!e.norm_out, "matvec1: no RMSNorm epilogue for F16/BF16 rows");
@@ -689,10 +451,101 @@ bool dispatch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out_rows, 
   }
 }
 
+// 2-4 tokens (matvec_few_fits has said yes): the same checks as dispatch, then launch with NT = n.
+void dispatch_few(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out_rows,
+                  bool accumulate, Stream stream, const Extra& e = {}) {
+  MERLIN_CHECK(x.kind == w.act() && x.k == w.k && n <= x.n_cap && x.q && x.scale,
+               "matvec_few: the activations' row planes do not fit the matrix");
+  MERLIN_CHECK(!x.rms_part || (x.rms_in_rows && x.rms_rows == n && x.rms_block == 32),
+               "matvec_few: a deferred RMSNorm that was not written in row planes for ", n, " tokens");
+  MERLIN_CHECK(!x.glu_src || (matvec1_glu_fits(w) && !x.rms_part && !e.argmax && !e.rope),
+               "matvec_few: a SwiGLU row for a product that cannot compute it while staging");
+  MERLIN_CHECK(!e.rope || (!e.norm_out && !e.argmax && !accumulate), "matvec_few: RoPE is the QKV product's only epilogue");
+  MERLIN_CHECK(!e.glu_out, "matvec_few: no SwiGLU epilogue for several tokens");
+  const int64_t n_out = std::min(n_out_rows, w.rows);
+  if (n_out <= 0) return;
+  switch (w.fmt) {
+    case kQ8_0: launch<kQ8_0>(w, x, d_y, n_out, accumulate, stream, e, n, ldy); return;
+    case kQ4_0: launch<kQ4_0>(w, x, d_y, n_out, accumulate, stream, e, n, ldy); return;
+    case kMXFP4: launch<kMXFP4>(w, x, d_y, n_out, accumulate, stream, e, n, ldy); return;
+    default: fail("matvec_few: no 2-4-token kernel for this format");
+  }
+}
+
 }  // namespace
 
 bool matvec1(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out_rows, bool accumulate, Stream stream) {
   return dispatch(w, x, d_y, n_out_rows, accumulate, stream);
+}
+
+// MERLIN_CUDA_FEW (read once): 0 = 2-4-token steps always take the batched products, 1 = they take the
+// multi-token instances wherever those fit, unset = where they measured faster (matvec_few_pays).
+static int few_env() {
+  static const int mode = env_is("MERLIN_CUDA_FEW", "0") ? 0 : env_is("MERLIN_CUDA_FEW", "1") ? 1 : 2;
+  return mode;
+}
+static int g_few_mode = -1;  // set_matvec_few (tests)
+static int few_mode() { return g_few_mode >= 0 ? g_few_mode : few_env(); }
+
+bool matvec_few_fits(const Matrix& w, int n) {
+  return mv1_mode() != 0 && g_sm_count > 0 && n >= 2 && n <= kFewMax &&
+         (w.fmt == kQ8_0 || w.fmt == kQ4_0 || w.fmt == kMXFP4) && w.k > 0 && w.k <= kFewMaxK && w.k % 32 == 0;
+}
+
+// H200 tg128, fortieth session (docs/BENCHMARKS.md, same call), multi-token instances / batched products:
+// iphone (rows of 3,072 and 12,288) q4_0 x2 2,017 / 1,616 t/s, x3 2,370 / 2,391 (2,502 / 2,363 in another
+// call), x4 2,678 / 3,194; q8_0 x2 1,479 / 1,402, x3 1,922 / 2,082; mxfp4 x2 1,504 / 1,137, x3 1,858 /
+// 1,696, x4 2,162 / 2,249; macbook q4_0 x2 1,199 / 933, x3 1,444 / 1,386; base (768, 2,048) q4_0 x2 7,035 /
+// 7,723, x4 9,401 / 14,961. Each extra token costs every kernel ~1 us of staging, dp4a sums and epilogue
+// (base's Wo 2.3 us at one token, 5.5 at four), which long rows amortize and short ones do not, while the
+// batched kernels' 8-token tensor-core tiles take 2-8 tokens for about the price of one. So: 2 tokens, and 3
+// for Q4_0 / MXFP4, over rows of 3,072 or more.
+bool matvec_few_pays(const Matrix& w, int n) {
+  const int mode = few_mode();
+  return mode != 0 && matvec_few_fits(w, n) && (mode == 1 || ((n == 2 || (n == 3 && w.fmt != kQ8_0)) && w.k >= 3072));
+}
+void set_matvec_few(int mode) { g_few_mode = mode; }
+
+bool matvec_few(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out_rows, bool accumulate,
+                Stream stream) {
+  if (!matvec_few_fits(w, n)) return false;
+  dispatch_few(w, x, n, d_y, ldy, n_out_rows, accumulate, stream);
+  return true;
+}
+
+bool matvec_few_rope_kv(const Matrix& w, const ActBuf& x, int n, float* d_qkv, int64_t ldy, const RopeKvArgs& r,
+                        Stream stream) {
+  if (!matvec_few_fits(w, n)) return false;
+  // Each token asks its own context into L2: the budget is shared (n contexts of 1 / n of its positions).
+  RopeKvArgs rn = r;
+  rn.l2_positions = r.l2_positions / n;
+  Extra e;
+  e.rope = &rn;
+  dispatch_few(w, x, n, d_qkv, ldy, w.rows, false, stream, e);
+  return true;
+}
+
+bool matvec_few_norm(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out, bool accumulate,
+                     const float* d_norm_w, ActBuf& out, double* d_part, Stream stream) {
+  if (!matvec_few_fits(w, n) || !norm_fold_fits(w, n_out)) return false;
+  MERLIN_CHECK(out.kind == ActKind::Q8_0 && out.k == n_out && out.n_cap >= n && out.q && out.scale && d_part && d_norm_w,
+               "matvec_few_norm: the output must be Q8_0 rows of ", n_out, " elements for ", n, " tokens");
+  Extra e;
+  e.norm_w = d_norm_w;
+  e.norm_out = &out;
+  e.norm_part = d_part;
+  dispatch_few(w, x, n, d_y, ldy, n_out, accumulate, stream, e);
+  return true;
+}
+
+bool matvec_few_argmax(const Matrix& w, const ActBuf& x, int n, int64_t n_out, unsigned long long* d_keys,
+                       Stream stream) {
+  if (!matvec_few_fits(w, n) || w.rows > 0xFFFFFFFFll) return false;
+  MERLIN_CHECK(d_keys && n_out > 0, "matvec_few_argmax: no key slots or no rows");
+  Extra e;
+  e.argmax = d_keys;
+  dispatch_few(w, x, n, nullptr, 0, n_out, false, stream, e);
+  return true;
 }
 
 bool matvec1_rope_kv(const Matrix& w, const ActBuf& x, float* d_qkv, const RopeKvArgs& r, Stream stream) {

@@ -18,6 +18,8 @@ constexpr int kRound = 4;              // chunks per round: one Q4_K super-block
 constexpr int64_t kMaxK = 65536;       // longest row whose activations fit the staged shared memory
 constexpr int64_t kKBucket = 4096;     // occupancy is tabulated per bucket of k (shared memory grows with k)
 constexpr int kBuckets = (int)(kMaxK / kKBucket);
+constexpr int kFewMax = 4;             // most tokens of a step the kernels take at once (matvec_few)
+constexpr int64_t kFewMaxK = 16384;    // longest row they take: 4 staged Q4_0 rows of 16,384 are 128 KiB
 
 struct Mv1Args {
   const uint8_t* q;
@@ -51,6 +53,11 @@ struct Mv1Args {
   int64_t glu_scratch;     // byte offset of its Q8_0 row (k codes, k / 32 scales) in the dynamic shared memory
   unsigned long long* argmax;  // Argmax variant: the largest row's key (argmax_key), raised with atomicMax
   int l2_items;      // items after the first whose weights and scales a warp prefetches into L2 before pdl_wait
+  // 2-4 tokens (mv1_kernel's NT): token t's output row at y + t * ldy, SwiGLU source at glu_src + t * glu_ld,
+  // staged row at t * x_stride bytes into the dynamic shared memory (its input rows are the row planes').
+  int64_t ldy;
+  int64_t glu_ld;
+  int64_t x_stride;
 };
 
 // Epilogues of the kernel: plain rows, SwiGLU of stacked gate/up rows, plain rows plus the next RMSNorm's
@@ -189,24 +196,33 @@ __device__ __forceinline__ int mxfp4_dot(uint32_t w, uint32_t xa, uint32_t xb, i
 // MXFP4 the same bytes interleaved as the nibbles of a code word (see stage_x).
 __device__ __forceinline__ uint2 x_at(const uint2* xq, int step, int t) { return xq[step * 4 + t]; }
 
-// One round of a warp: adds rows g and g + 8's partial sums over this lane's columns to acc0 / acc1.
-template <int F, bool X>
+// One round of a warp: adds rows g and g + 8's partial sums over this lane's columns to acc0 / acc1, for each
+// of the NT tokens whose staged rows lie p.x_stride bytes apart (NT > 1: Q8_0, Q4_0, MXFP4 only). A weight
+// word's masks, scales and lookups are computed once for all tokens.
+template <int F, bool X, int NT>
 __device__ __forceinline__ void compute_round(const Mv1Args& p, const Round<F>& r, int c0, int nc, const uint2* xq,
-                                              const float* xs, int t, float& acc0, float& acc1) {
+                                              const float* xs, int t, float (&acc0)[NT], float (&acc1)[NT]) {
+  static_assert(NT == 1 || F == kQ8_0 || F == kQ4_0 || F == kMXFP4, "several tokens: Q8_0-reading formats only");
   if (c0 >= nc) return;
   constexpr uint32_t kLo = 0x0F0F0F0Fu;
+  const int64_t ts = NT == 1 ? 0 : p.x_stride;  // bytes between two tokens' staged rows
+  auto xq_of = [&](int tt) { return reinterpret_cast<const uint2*>(reinterpret_cast<const uint8_t*>(xq) + tt * ts); };
+  auto xs_of = [&](int tt) { return reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(xs) + tt * ts); };
   if constexpr (F == kQ8_0) {
 #pragma unroll
     for (int u = 0; u < kRound; ++u) {
       const int step = c0 + u;
       if (!X && step >= nc) break;
-      const uint2 x = x_at(xq, step, t);
-      const int d0 = dp4a(r.w[u].x, x.x, dp4a(r.w[u].z, x.y, kIntBias));
-      const int d1 = dp4a(r.w[u].y, x.x, dp4a(r.w[u].w, x.y, kIntBias));
       const float2 ws = half2_bits(r.s[u]);
-      const float sx = xs[step];
-      acc0 = fmaf(biased_to_float(d0), ws.x * sx, acc0);
-      acc1 = fmaf(biased_to_float(d1), ws.y * sx, acc1);
+#pragma unroll
+      for (int tt = 0; tt < NT; ++tt) {
+        const uint2 x = x_at(xq_of(tt), step, t);
+        const int d0 = dp4a(r.w[u].x, x.x, dp4a(r.w[u].z, x.y, kIntBias));
+        const int d1 = dp4a(r.w[u].y, x.x, dp4a(r.w[u].w, x.y, kIntBias));
+        const float sx = xs_of(tt)[step];
+        acc0[tt] = fmaf(biased_to_float(d0), ws.x * sx, acc0[tt]);
+        acc1[tt] = fmaf(biased_to_float(d1), ws.y * sx, acc1[tt]);
+      }
     }
   } else if constexpr (F == kQ4_0 || F == kMXFP4) {
 #pragma unroll
@@ -221,20 +237,27 @@ __device__ __forceinline__ void compute_round(const Mv1Args& p, const Round<F>& 
         if constexpr (F == kQ4_0) {
           // Codes are value + 8: dot(code, x) - 8 * sum(x); the correction -8 * sum(x) of the lane's 8 bytes
           // and the block scale come staged with them (stage_x), one 16-byte shared load per step.
-          const uint4 xv = reinterpret_cast<const uint4*>(xq)[step * 4 + t];
-          const int corr = (int)xv.z;  // includes kIntBias
-          const float sx = __int_as_float((int)xv.w);
-          const int d0 = dp4a(w0 & kLo, xv.x, dp4a((w0 >> 4) & kLo, xv.y, corr));
-          const int d1 = dp4a(w1 & kLo, xv.x, dp4a((w1 >> 4) & kLo, xv.y, corr));
           const float2 ws = half2_bits(sw);
-          acc0 = fmaf(biased_to_float(d0), ws.x * sx, acc0);
-          acc1 = fmaf(biased_to_float(d1), ws.y * sx, acc1);
+#pragma unroll
+          for (int tt = 0; tt < NT; ++tt) {
+            const uint4 xv = reinterpret_cast<const uint4*>(xq_of(tt))[step * 4 + t];
+            const int corr = (int)xv.z;  // includes kIntBias
+            const float sx = __int_as_float((int)xv.w);
+            const int d0 = dp4a(w0 & kLo, xv.x, dp4a((w0 >> 4) & kLo, xv.y, corr));
+            const int d1 = dp4a(w1 & kLo, xv.x, dp4a((w1 >> 4) & kLo, xv.y, corr));
+            acc0[tt] = fmaf(biased_to_float(d0), ws.x * sx, acc0[tt]);
+            acc1[tt] = fmaf(biased_to_float(d1), ws.y * sx, acc1[tt]);
+          }
         } else {
-          const uint2 x = x_at(xq, step, t);
-          const float sx = xs[step];
-          const int d0 = mxfp4_dot(w0, x.x, x.y, kIntBias), d1 = mxfp4_dot(w1, x.x, x.y, kIntBias);
-          acc0 = fmaf(biased_to_float(d0), e8m0_half((uint8_t)(sw & 0xFF)) * sx, acc0);
-          acc1 = fmaf(biased_to_float(d1), e8m0_half((uint8_t)((sw >> 8) & 0xFF)) * sx, acc1);
+          const float s0 = e8m0_half((uint8_t)(sw & 0xFF)), s1 = e8m0_half((uint8_t)((sw >> 8) & 0xFF));
+#pragma unroll
+          for (int tt = 0; tt < NT; ++tt) {
+            const uint2 x = x_at(xq_of(tt), step, t);
+            const float sx = xs_of(tt)[step];
+            const int d0 = mxfp4_dot(w0, x.x, x.y, kIntBias), d1 = mxfp4_dot(w1, x.x, x.y, kIntBias);
+            acc0[tt] = fmaf(biased_to_float(d0), s0 * sx, acc0[tt]);
+            acc1[tt] = fmaf(biased_to_float(d1), s1 * sx, acc1[tt]);
+          }
         }
       }
     }
@@ -273,8 +296,8 @@ __device__ __forceinline__ void compute_round(const Mv1Args& p, const Round<F>& 
     const float sx = xs[c0 * 2];  // Q8_K: the super-block's d, repeated per block
     const float2 dm0 = half2_bits(r.h[0].x);
     const float2 dm1 = half2_bits(r.h[1].x);
-    acc0 = fmaf(sx, dm0.x * (float)s1[0] - dm0.y * (float)s2[0], acc0);
-    acc1 = fmaf(sx, dm1.x * (float)s1[1] - dm1.y * (float)s2[1], acc1);
+    acc0[0] = fmaf(sx, dm0.x * (float)s1[0] - dm0.y * (float)s2[0], acc0[0]);
+    acc1[0] = fmaf(sx, dm1.x * (float)s1[1] - dm1.y * (float)s2[1], acc1[0]);
   } else {  // kTQ2: 4 k-steps per chunk in bit pairs, value = code - 1; two chunks per super-block
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -297,8 +320,8 @@ __device__ __forceinline__ void compute_round(const Mv1Args& p, const Round<F>& 
       }
       const float sx = xs[cb * 4];
       const float2 ws = half2_bits(r.s[half]);
-      acc0 = fmaf(biased_to_float(s0 + corr), ws.x * sx, acc0);
-      acc1 = fmaf(biased_to_float(s1 + corr), ws.y * sx, acc1);
+      acc0[0] = fmaf(biased_to_float(s0 + corr), ws.x * sx, acc0[0]);
+      acc1[0] = fmaf(biased_to_float(s1 + corr), ws.y * sx, acc1[0]);
     }
   }
 }

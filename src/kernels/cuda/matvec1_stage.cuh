@@ -20,8 +20,9 @@ namespace {
 // With a deferred RMSNorm (rms_part) the row's block scales lack 1 / rms(x): every warp sums the per-block
 // sums of squares (in double, in a fixed order, like row_scale) and the staged scale is the product rounded
 // to half, as prep_act rounds a block scale.
-__device__ __forceinline__ float deferred_rms(const Mv1Args& p) {
-  return deferred_inv_rms(p.rms_part, (int)(p.k / 32), p.k, p.rms_eps);
+__device__ __forceinline__ float deferred_rms(const Mv1Args& p, int tt = 0) {
+  const int kb = (int)(p.k / 32);
+  return deferred_inv_rms(p.rms_part + (int64_t)tt * kb, kb, p.k, p.rms_eps);
 }
 
 // Only formats that read Q8_0 rows (Q4_K and TQ2_0 read Q8_K: the host never defers their norm, and the
@@ -65,19 +66,21 @@ __device__ __forceinline__ void stage_step(uint8_t* sm, int64_t k, int s, uint4 
 // warp_q8_0 as prep_act's emit quantizes it (the same codes and half-rounded scale), into a scratch row, then
 // staged from there as a loaded row. The gate and up values of kU blocks per warp are requested before the
 // first is used, so the L2 round trips overlap.
+// Token tt's row (glu_src + tt * glu_ld) is staged at dst; the scratch row is shared by the tokens.
 template <int F, int W>
-__device__ __forceinline__ void stage_glu(const Mv1Args& p, uint8_t* sm) {
+__device__ __forceinline__ void stage_glu(const Mv1Args& p, uint8_t* sm, uint8_t* dst, int tt = 0) {
   constexpr int kU = 4;
   const int kb = (int)(p.k / 32), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   int8_t* codes = reinterpret_cast<int8_t*>(sm + p.glu_scratch);
   float* scales = reinterpret_cast<float*>(sm + p.glu_scratch + p.k);
+  const float* src_row = p.glu_src + tt * p.glu_ld;
   for (int b0 = warp; b0 < kb; b0 += W * kU) {
     float g[kU], u[kU];
 #pragma unroll
     for (int j = 0; j < kU; ++j) {
       const int64_t i = (int64_t)(b0 + j * W) * 32 + lane;
-      g[j] = b0 + j * W < kb ? p.glu_src[i] : 0.0f;
-      u[j] = b0 + j * W < kb ? p.glu_src[i + p.glu_offset] : 0.0f;
+      g[j] = b0 + j * W < kb ? src_row[i] : 0.0f;
+      u[j] = b0 + j * W < kb ? src_row[i + p.glu_offset] : 0.0f;
     }
     // warp_q8_0 for kU blocks at once: their max shuffles interleave instead of following each other (max is
     // exact in any order, so the codes and scales are warp_q8_0's).
@@ -101,7 +104,53 @@ __device__ __forceinline__ void stage_glu(const Mv1Args& p, uint8_t* sm) {
   }
   __syncthreads();
   const uint4* src = reinterpret_cast<const uint4*>(codes);
-  for (int s = threadIdx.x; s < kb; s += W * 32) stage_step<F>(sm, p.k, s, src[2 * s], src[2 * s + 1], scales[s]);
+  for (int s = threadIdx.x; s < kb; s += W * 32) stage_step<F>(dst, p.k, s, src[2 * s], src[2 * s + 1], scales[s]);
+  __syncthreads();
+}
+
+// stage_glu for 2-4 tokens at once: the warps walk (token, block) pairs, so that the tokens' gate / up
+// round trips overlap instead of following each other, into NT scratch rows ([NT][k] codes, then [NT][k / 32]
+// scales), then every token's row is staged at its x_stride. The same codes and scales as stage_glu.
+template <int F, int W, int NT>
+__device__ __forceinline__ void stage_glu_few(const Mv1Args& p, uint8_t* sm) {
+  constexpr int kU = 4 * NT;  // as many blocks in flight per warp as one token's staging has, per token
+  const int kb = (int)(p.k / 32), nb = kb * NT, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int8_t* codes = reinterpret_cast<int8_t*>(sm + p.glu_scratch);
+  float* scales = reinterpret_cast<float*>(sm + p.glu_scratch + NT * p.k);
+  for (int b0 = warp; b0 < nb; b0 += W * kU) {
+    float g[kU], u[kU];
+#pragma unroll
+    for (int j = 0; j < kU; ++j) {
+      const int bi = b0 + j * W, tt = bi / kb;
+      const float* src = p.glu_src + tt * p.glu_ld;
+      const int64_t i = (int64_t)(bi - tt * kb) * 32 + lane;
+      g[j] = bi < nb ? src[i] : 0.0f;
+      u[j] = bi < nb ? src[i + p.glu_offset] : 0.0f;
+    }
+    float v[kU], amax[kU];
+#pragma unroll
+    for (int j = 0; j < kU; ++j) {
+      v[j] = swiglu(g[j], u[j]);
+      amax[j] = fabsf(v[j]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+      for (int j = 0; j < kU; ++j) amax[j] = fmaxf(amax[j], __shfl_xor_sync(0xffffffffu, amax[j], o));
+#pragma unroll
+    for (int j = 0; j < kU; ++j) {
+      const int bi = b0 + j * W;
+      if (bi >= nb) break;  // warp-uniform
+      codes[(int64_t)bi * 32 + lane] = (int8_t)q8_0_code(v[j], amax[j]);
+      if (lane == 0) scales[bi] = round_to_half(amax[j] / 127.0f);
+    }
+  }
+  __syncthreads();
+  const uint4* src = reinterpret_cast<const uint4*>(codes);
+  for (int s = threadIdx.x; s < nb; s += W * 32) {
+    const int tt = s / kb;
+    stage_step<F>(sm + tt * p.x_stride, p.k, s - tt * kb, src[2 * s], src[2 * s + 1], scales[s]);
+  }
   __syncthreads();
 }
 
@@ -109,35 +158,55 @@ __device__ __forceinline__ void stage_glu(const Mv1Args& p, uint8_t* sm) {
 // trips overlap instead of following each other (rows of up to W * 32 blocks, every row here but the
 // longest, have no other step). G: the row is SwiGLU of p.glu_src (stage_glu), in the instances built for it;
 // Dyn: whichever p.glu_src says (the instances that decide the staging at run time, kRunGlu).
-template <int F, int W, bool G, bool Dyn>
+template <int F, int W, bool G, bool Dyn, int NT = 1>
 __device__ __forceinline__ void stage_x(const Mv1Args& p, uint8_t* sm) {
   static_assert(!G || reads_q8_0<F>(), "SwiGLU staging writes a Q8_0 row");
   if constexpr (G || (Dyn && reads_q8_0<F>())) {
     if (G || p.glu_src) {
-      stage_glu<F, W>(p, sm);
+      if constexpr (NT == 1) stage_glu<F, W>(p, sm, sm);
+      else stage_glu_few<F, W, NT>(p, sm);
       return;
     }
   }
   constexpr int kT = W * 32;
   const int kb = (int)(p.k / 32), s0 = threadIdx.x;
-  const uint4* src = reinterpret_cast<const uint4*>(p.xq);  // activation buffers are 256-byte aligned
-  uint4 a0{}, b0{};
-  float x0 = 0.0f;
+  // Token tt's row planes: codes at tt * k, block scales at tt * k / 32 (activation buffers are 256-byte
+  // aligned, rows k % 32 == 0 apart: 16-byte aligned).
+  auto src_of = [&](int tt) { return reinterpret_cast<const uint4*>(p.xq + tt * p.k); };
+  auto xs_of = [&](int tt) { return p.xs + tt * kb; };
+  auto dst_of = [&](int tt) { return sm + tt * (NT == 1 ? 0 : p.x_stride); };
+  uint4 a0[NT], b0[NT];
+  float x0[NT];
   auto first = [&] {
-    if (s0 < kb) {
-      a0 = src[2 * s0];
-      b0 = src[2 * s0 + 1];
-      x0 = p.xs[s0];
+#pragma unroll
+    for (int tt = 0; tt < NT; ++tt) {
+      a0[tt] = uint4{};
+      b0[tt] = uint4{};
+      x0[tt] = 0.0f;
+      if (s0 < kb) {
+        a0[tt] = src_of(tt)[2 * s0];
+        b0[tt] = src_of(tt)[2 * s0 + 1];
+        x0[tt] = xs_of(tt)[s0];
+      }
     }
   };
   if (p.x_early) first();
-  float rms = 1.0f;
+  float rms[NT];
+#pragma unroll
+  for (int tt = 0; tt < NT; ++tt) rms[tt] = 1.0f;
   if constexpr (reads_q8_0<F>()) {
-    if (p.rms_part) rms = deferred_rms(p);
+    if (p.rms_part) {
+#pragma unroll
+      for (int tt = 0; tt < NT; ++tt) rms[tt] = deferred_rms(p, tt);
+    }
   }
   if (!p.x_early) first();  // A/B timing only (MERLIN_CUDA_MV1_STAGE=0): the sums first, then the row
-  if (s0 < kb) stage_step<F>(sm, p.k, s0, a0, b0, staged_scale<F>(p, x0, rms));
-  for (int s = s0 + kT; s < kb; s += kT) stage_step<F>(sm, p.k, s, src[2 * s], src[2 * s + 1], staged_scale<F>(p, p.xs[s], rms));
+#pragma unroll
+  for (int tt = 0; tt < NT; ++tt) {
+    if (s0 < kb) stage_step<F>(dst_of(tt), p.k, s0, a0[tt], b0[tt], staged_scale<F>(p, x0[tt], rms[tt]));
+    for (int s = s0 + kT; s < kb; s += kT)
+      stage_step<F>(dst_of(tt), p.k, s, src_of(tt)[2 * s], src_of(tt)[2 * s + 1], staged_scale<F>(p, xs_of(tt)[s], rms[tt]));
+  }
   __syncthreads();
 }
 

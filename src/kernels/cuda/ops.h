@@ -25,6 +25,7 @@ namespace merlin::cuda {
 using Stream = CUstream_st*;
 struct ChainState;       // decode loops, below
 struct BatchChainState;  // batched decode loops, below
+struct RopeKvArgs;       // model ops, below
 
 // ---- device memory ----
 void* dev_alloc(size_t bytes);  // zero-filled; throws merlin::Error when out of memory
@@ -77,6 +78,10 @@ struct ActBuf {
   // it stages its input (matvec1_glu_fits). Set only on the copy of the ActBuf handed to that product.
   const float* glu_src = nullptr;
   int64_t glu_offset = 0;
+  int64_t glu_ld = 0;  // 2-4 tokens (matvec_few): token t's gate/up row at glu_src + t * glu_ld
+  // The deferred RMSNorm's codes and scales are in the row planes (written by matvec1_norm or
+  // matvec_few_norm), not the fragment planes (matmul_norm): only single- and few-token products read it.
+  bool rms_in_rows = false;
 };
 ActBuf act_alloc(ActKind kind, int64_t k, int n_cap);
 void act_free(ActBuf& a);
@@ -173,6 +178,32 @@ bool matvec1_swiglu(const Matrix& w, const ActBuf& x, int64_t ffn, int64_t up_ro
 bool norm_fold_fits(const Matrix& w, int64_t n_out);
 bool matvec1_norm(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool accumulate, const float* d_norm_w,
                   ActBuf& out, double* d_part, Stream stream);
+// Steps of 2-4 tokens through the single-token kernels (matvec1.cu with NT = n): each round of weights is
+// loaded once and multiplied by every token's staged row, and the step runs the single-token kernels' five
+// per layer (the SwiGLU staged by the down product, the RMSNorm folded into Wo and down) where the batched
+// products (below) run their 8-token tensor-core tiles and separate RMSNorm and SwiGLU kernels.
+// matvec_few_fits: Q8_0, Q4_0 and MXFP4 rows of up to 16,384 columns. matvec_few_pays: where the path is
+// taken by default (measured on the H200: 2 tokens, and 3 for Q4_0 / MXFP4, over rows of at least 3,072,
+// i.e. the 3.17B-and-larger models; base's short rows run faster batched), MERLIN_CUDA_FEW=0 / 1 never / wherever it fits. Inputs
+// are the row planes (prep_act and attention() write them too), outputs token t's row at y + t * ldy.
+// matmul(), matmul_rope_kv() and matmul_argmax() take this path by themselves where it pays (and must for
+// inputs only it reads: row-plane deferred norms, SwiGLU rows); matvec_few_norm is matvec1_norm for n tokens
+// (out's rows t, d_part[t * n_out / 32 + block]; the reader's copy of out says rms_in_rows), and a down
+// product may stage SwiGLU rows (ActBuf::glu_src, glu_ld) as at one token. Sums per token are those of
+// matvec1 on that token alone at the same split: the same bits.
+bool matvec_few_fits(const Matrix& w, int n);
+bool matvec_few_pays(const Matrix& w, int n);
+bool matvec_few(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out_rows, bool accumulate,
+                Stream stream);
+bool matvec_few_rope_kv(const Matrix& w, const ActBuf& x, int n, float* d_qkv, int64_t ldy, const RopeKvArgs& r,
+                        Stream stream);
+bool matvec_few_norm(const Matrix& w, const ActBuf& x, int n, float* d_y, int64_t ldy, int64_t n_out, bool accumulate,
+                     const float* d_norm_w, ActBuf& out, double* d_part, Stream stream);
+bool matvec_few_argmax(const Matrix& w, const ActBuf& x, int n, int64_t n_out, unsigned long long* d_keys,
+                       Stream stream);
+// Tests: 0 sends 2-4-token steps to the batched products (as MERLIN_CUDA_FEW=0), 1 to the multi-token
+// instances wherever they fit (MERLIN_CUDA_FEW=1), 2 the rule (matvec_few_pays); -1 restores the environment's.
+void set_matvec_few(int mode);
 // The same for decode-sized steps of n >= 2 tokens through the batched products: y (+)= W x for n tokens, and
 // per token and block of 32 outputs out's fragment-ordered codes and unnormalised scales (fq, fs, fsum) and
 // d_part[t * n_out / 32 + block]. The products' sums are those of matmul() with at most 4 warps per tile

@@ -70,9 +70,10 @@ __device__ __forceinline__ void copy_cs_row(RopeTarget& at, int n_rot, float* sl
 // of earlier positions are valid, so the addresses are too. H200 tg128 (2026-11-30, MERLIN_CUDA_KV_L2_MB=0 / 8):
 // macbook q4_0 742.7 / 746.6 t/s, iphone q4_0 1,220.8 / 1,226.5, base unchanged; the attention kernel's charge
 // at contexts 96-127 drops from 5.7 to 4.9 us per layer (macbook), below 32 positions it stays 3.8.
-__device__ __forceinline__ void prefetch_kv_context(const RopeKvArgs& a, int lane) {
+// A 2-4-token product (matvec1_few) calls it for each token t.
+__device__ __forceinline__ void prefetch_kv_context(const RopeKvArgs& a, int lane, int t = 0) {
   if (a.l2_positions <= 0) return;
-  const int pos = a.d_pos[0], seq = a.d_seq[0], lo = max(0, pos - a.l2_positions), rows = 2 * (pos - lo);
+  const int pos = a.d_pos[t], seq = a.d_seq[t], lo = max(0, pos - a.l2_positions), rows = 2 * (pos - lo);
   const int64_t es = a.kv.f16 ? 2 : 4;
   for (int r = (int)blockIdx.x + lane * (int)gridDim.x; r < rows; r += 32 * (int)gridDim.x) {
     const int64_t off = kv_slot(a.kv, seq, lo + r / 2) * a.kv_dim * es;
