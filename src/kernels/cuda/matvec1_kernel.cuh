@@ -42,6 +42,35 @@ __device__ __forceinline__ void emit_norm(const Mv1Args& p, int tt, int64_t row,
   }
 }
 
+template <int R>
+__device__ __forceinline__ bool rope_rows(const Mv1Args& p) { return R == 1 || (R == 2 && p.rope_on); }
+
+// The 4 lanes of a row: xor shuffles give every lane the same sum (float addition is commutative).
+template <int NT>
+__device__ __forceinline__ void quad_sums(float (&acc0)[NT], float (&acc1)[NT]) {
+#pragma unroll
+  for (int tt = 0; tt < NT; ++tt) {
+    acc0[tt] += __shfl_xor_sync(0xffffffffu, acc0[tt], 1);
+    acc1[tt] += __shfl_xor_sync(0xffffffffu, acc1[tt], 1);
+    acc0[tt] += __shfl_xor_sync(0xffffffffu, acc0[tt], 2);
+    acc1[tt] += __shfl_xor_sync(0xffffffffu, acc1[tt], 2);
+  }
+}
+
+// Each token's row sums of the warp into its slots of the (per-group) reduction buffer, then a CTA barrier.
+template <int NT>
+__device__ __forceinline__ void sums_to_red(int warp, int lane, const float (&acc0)[NT], const float (&acc1)[NT],
+                                            float (*red)[16]) {
+  if ((lane & 3) == 0) {
+#pragma unroll
+    for (int tt = 0; tt < NT; ++tt) {
+      red[warp * NT + tt][lane >> 2] = acc0[tt];
+      red[warp * NT + tt][(lane >> 2) + 8] = acc1[tt];
+    }
+  }
+  __syncthreads();
+}
+
 // Adds the S warps' row sums of the tile group in a fixed order and writes (or adds) the outputs.
 // With rope_on, row r goes through rope_store with its pair partner r ^ 1 (same tile): lane ^ 4 holds it
 // when a warp owns the tile, thread ^ 1 after the shared-memory reduction.
@@ -51,22 +80,12 @@ __device__ __forceinline__ void emit_norm(const Mv1Args& p, int tt, int64_t row,
 // RMSNorm's input, which emit_norm writes from the rows' final values (nw: the thread's row's norm weight).
 // Argmax: `best` is the largest key of the rows this thread wrote. R: the rows go through rope_store never
 // (0), always (1, the RoPE instance) or when p.rope_on says so (2, instances with kRunRope).
-template <int R>
-__device__ __forceinline__ bool rope_rows(const Mv1Args& p) { return R == 1 || (R == 2 && p.rope_on); }
-
 template <bool Norm, int W, bool Argmax, int R, int NT>
 __device__ __forceinline__ void finish_group(const Mv1Args& p, int grp, int warp, int lane, float (&acc0)[NT],
                                              float (&acc1)[NT], float (*red)[16], const RopeTarget (&at)[NT],
                                              bool early, const float (&res0)[NT], const float (&res1)[NT], float nw,
                                              unsigned long long (&best)[NT]) {
-  // The 4 lanes of a row: xor shuffles give every lane the same sum (float addition is commutative).
-#pragma unroll
-  for (int tt = 0; tt < NT; ++tt) {
-    acc0[tt] += __shfl_xor_sync(0xffffffffu, acc0[tt], 1);
-    acc1[tt] += __shfl_xor_sync(0xffffffffu, acc1[tt], 1);
-    acc0[tt] += __shfl_xor_sync(0xffffffffu, acc0[tt], 2);
-    acc1[tt] += __shfl_xor_sync(0xffffffffu, acc1[tt], 2);
-  }
+  quad_sums(acc0, acc1);
   const int S = 1 << p.lsplit, tpg = W >> p.lsplit;
   constexpr bool kStore = !Argmax || NT == 1;  // the 2-4-token head keeps only its keys (matmul_argmax's contract)
   if (!Norm && S == 1) {  // a warp owns its tile: no barrier needed
@@ -91,14 +110,7 @@ __device__ __forceinline__ void finish_group(const Mv1Args& p, int grp, int warp
     }
     return;
   }
-  if ((lane & 3) == 0) {
-#pragma unroll
-    for (int tt = 0; tt < NT; ++tt) {
-      red[warp * NT + tt][lane >> 2] = acc0[tt];
-      red[warp * NT + tt][(lane >> 2) + 8] = acc1[tt];
-    }
-  }
-  __syncthreads();
+  sums_to_red(warp, lane, acc0, acc1, red);
   const int n_act = tpg * 16;
   if ((int)threadIdx.x < ((n_act + 31) & ~31)) {  // whole warps, for the partner shuffle
     const bool act = (int)threadIdx.x < n_act;
@@ -309,21 +321,8 @@ template <bool Norm, int W, bool Argmax, int R, int NT>
 __device__ __forceinline__ void finish_group_few(const Mv1Args& p, int grp, int warp, int lane, float (&acc0)[NT],
                                                  float (&acc1)[NT], float (*red)[16], FewShared<W, NT>& fs,
                                                  bool early, float res, float nw) {
-#pragma unroll
-  for (int tt = 0; tt < NT; ++tt) {
-    acc0[tt] += __shfl_xor_sync(0xffffffffu, acc0[tt], 1);
-    acc1[tt] += __shfl_xor_sync(0xffffffffu, acc1[tt], 1);
-    acc0[tt] += __shfl_xor_sync(0xffffffffu, acc0[tt], 2);
-    acc1[tt] += __shfl_xor_sync(0xffffffffu, acc1[tt], 2);
-  }
-  if ((lane & 3) == 0) {
-#pragma unroll
-    for (int tt = 0; tt < NT; ++tt) {
-      red[warp * NT + tt][lane >> 2] = acc0[tt];
-      red[warp * NT + tt][(lane >> 2) + 8] = acc1[tt];
-    }
-  }
-  __syncthreads();
+  quad_sums(acc0, acc1);
+  sums_to_red(warp, lane, acc0, acc1, red);
   const int S = 1 << p.lsplit, tpg = W >> p.lsplit, n_act = tpg * 16, fr = few_rows<W>(p);
 #pragma unroll 1
   for (int i = threadIdx.x; i < fr * NT; i += W * 32) {  // whole warps: fr % 32 == 0
@@ -492,7 +491,7 @@ size_t smem_rows(int64_t k, int nt) { return nt == 1 ? smem_bytes<F>(k) : (size_
 template <int F>
 size_t glu_scratch_off(int64_t k, int nt = 1) { return (smem_rows<F>(k, nt) + 15) / 16 * 16; }
 template <int F>
-size_t smem_bytes_glu(int64_t k, int nt = 1) {  // nt scratch rows (stage_glu_few)
+size_t smem_bytes_glu(int64_t k, int nt = 1) {  // nt scratch rows (stage_glu)
   return glu_scratch_off<F>(k, nt) + (size_t)nt * ((size_t)k + (size_t)(k / 32) * 4);
 }
 

@@ -65,68 +65,28 @@ __device__ __forceinline__ void stage_step(uint8_t* sm, int64_t k, int s, uint4 
 // A row given as SwiGLU of the gate/up row (glu_src): a warp per block of 32, lane = element, quantized by
 // warp_q8_0 as prep_act's emit quantizes it (the same codes and half-rounded scale), into a scratch row, then
 // staged from there as a loaded row. The gate and up values of kU blocks per warp are requested before the
-// first is used, so the L2 round trips overlap.
-// Token tt's row (glu_src + tt * glu_ld) is staged at dst; the scratch row is shared by the tokens.
-template <int F, int W>
-__device__ __forceinline__ void stage_glu(const Mv1Args& p, uint8_t* sm, uint8_t* dst, int tt = 0) {
-  constexpr int kU = 4;
-  const int kb = (int)(p.k / 32), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  int8_t* codes = reinterpret_cast<int8_t*>(sm + p.glu_scratch);
-  float* scales = reinterpret_cast<float*>(sm + p.glu_scratch + p.k);
-  const float* src_row = p.glu_src + tt * p.glu_ld;
-  for (int b0 = warp; b0 < kb; b0 += W * kU) {
-    float g[kU], u[kU];
-#pragma unroll
-    for (int j = 0; j < kU; ++j) {
-      const int64_t i = (int64_t)(b0 + j * W) * 32 + lane;
-      g[j] = b0 + j * W < kb ? src_row[i] : 0.0f;
-      u[j] = b0 + j * W < kb ? src_row[i + p.glu_offset] : 0.0f;
-    }
-    // warp_q8_0 for kU blocks at once: their max shuffles interleave instead of following each other (max is
-    // exact in any order, so the codes and scales are warp_q8_0's).
-    float v[kU], amax[kU];
-#pragma unroll
-    for (int j = 0; j < kU; ++j) {
-      v[j] = swiglu(g[j], u[j]);
-      amax[j] = fabsf(v[j]);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-      for (int j = 0; j < kU; ++j) amax[j] = fmaxf(amax[j], __shfl_xor_sync(0xffffffffu, amax[j], o));
-#pragma unroll
-    for (int j = 0; j < kU; ++j) {
-      const int b = b0 + j * W;
-      if (b >= kb) break;  // warp-uniform
-      codes[(int64_t)b * 32 + lane] = (int8_t)q8_0_code(v[j], amax[j]);
-      if (lane == 0) scales[b] = round_to_half(amax[j] / 127.0f);
-    }
-  }
-  __syncthreads();
-  const uint4* src = reinterpret_cast<const uint4*>(codes);
-  for (int s = threadIdx.x; s < kb; s += W * 32) stage_step<F>(dst, p.k, s, src[2 * s], src[2 * s + 1], scales[s]);
-  __syncthreads();
-}
-
-// stage_glu for 2-4 tokens at once: the warps walk (token, block) pairs, so that the tokens' gate / up
-// round trips overlap instead of following each other, into NT scratch rows ([NT][k] codes, then [NT][k / 32]
-// scales), then every token's row is staged at its x_stride. The same codes and scales as stage_glu.
-template <int F, int W, int NT>
-__device__ __forceinline__ void stage_glu_few(const Mv1Args& p, uint8_t* sm) {
-  constexpr int kU = 4 * NT;  // as many blocks in flight per warp as one token's staging has, per token
+// first is used, so the L2 round trips overlap. With NT > 1 tokens the warps walk (token, block) pairs (token
+// tt's row at glu_src + tt * glu_ld), so that the tokens' round trips overlap too, into NT scratch rows ([NT][k]
+// codes, then [NT][k / 32] scales), and token tt's row is staged at tt * x_stride.
+template <int F, int W, int NT = 1>
+__device__ __forceinline__ void stage_glu(const Mv1Args& p, uint8_t* sm) {
+  constexpr int kU = 4 * NT;  // per token, as many blocks in flight per warp as one token's staging has
   const int kb = (int)(p.k / 32), nb = kb * NT, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  auto token_of = [&](int bi) { return NT == 1 ? 0 : bi / kb; };
   int8_t* codes = reinterpret_cast<int8_t*>(sm + p.glu_scratch);
   float* scales = reinterpret_cast<float*>(sm + p.glu_scratch + NT * p.k);
   for (int b0 = warp; b0 < nb; b0 += W * kU) {
     float g[kU], u[kU];
 #pragma unroll
     for (int j = 0; j < kU; ++j) {
-      const int bi = b0 + j * W, tt = bi / kb;
+      const int bi = b0 + j * W, tt = token_of(bi);
       const float* src = p.glu_src + tt * p.glu_ld;
       const int64_t i = (int64_t)(bi - tt * kb) * 32 + lane;
       g[j] = bi < nb ? src[i] : 0.0f;
       u[j] = bi < nb ? src[i + p.glu_offset] : 0.0f;
     }
+    // warp_q8_0 for kU blocks at once: their max shuffles interleave instead of following each other (max is
+    // exact in any order, so the codes and scales are warp_q8_0's).
     float v[kU], amax[kU];
 #pragma unroll
     for (int j = 0; j < kU; ++j) {
@@ -148,8 +108,8 @@ __device__ __forceinline__ void stage_glu_few(const Mv1Args& p, uint8_t* sm) {
   __syncthreads();
   const uint4* src = reinterpret_cast<const uint4*>(codes);
   for (int s = threadIdx.x; s < nb; s += W * 32) {
-    const int tt = s / kb;
-    stage_step<F>(sm + tt * p.x_stride, p.k, s - tt * kb, src[2 * s], src[2 * s + 1], scales[s]);
+    const int tt = token_of(s);
+    stage_step<F>(sm + tt * (NT == 1 ? 0 : p.x_stride), p.k, s - tt * kb, src[2 * s], src[2 * s + 1], scales[s]);
   }
   __syncthreads();
 }
@@ -163,8 +123,7 @@ __device__ __forceinline__ void stage_x(const Mv1Args& p, uint8_t* sm) {
   static_assert(!G || reads_q8_0<F>(), "SwiGLU staging writes a Q8_0 row");
   if constexpr (G || (Dyn && reads_q8_0<F>())) {
     if (G || p.glu_src) {
-      if constexpr (NT == 1) stage_glu<F, W>(p, sm, sm);
-      else stage_glu_few<F, W, NT>(p, sm);
+      stage_glu<F, W, NT>(p, sm);
       return;
     }
   }
