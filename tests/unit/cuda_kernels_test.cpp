@@ -12,6 +12,7 @@
 #include "kernels/cpu/quant.h"
 #include "kernels/cpu/quant_formats.h"
 #include "kernels/cuda/cuda_api.h"
+#include "kernels/cuda/matvec1.h"
 #include "kernels/cuda/ops.h"
 #include "cuda_test_util.h"
 #include "quant_test_util.h"
@@ -707,6 +708,85 @@ TEST(CudaKernels, FusedRopeKvMatchesSeparateKernel) {
             cu::free_matrix(m);
           }
         }
+      }
+    }
+  }
+  for (void* b : {static_cast<void*>(d_table), static_cast<void*>(d_pos), static_cast<void*>(d_seq)}) cu::dev_free(b);
+}
+
+// One-token QKV products whose tiles outnumber the resident CTAs (iphone's 9,216 x 3,072, and a GQA shape over
+// 4,096-long rows, 2-3 tiles per CTA): on the pooled walk (pooled_walk: whole tiles per CTA, a row's partial
+// sums added in another fixed order) the Q rows and both caches equal matmul() + rope_kv() up to float
+// rounding, and on the tile groups bit for bit. matvec1_last_pool shows which walk ran.
+TEST(CudaKernels, FusedRopeKvPooledWalkMatchesSeparateKernel) {
+  REQUIRE_GPU();
+  const int block = 16, max_blocks = 4;
+  const std::vector<int32_t> table = {2, 0, 3, 1}, pos = {37}, seq = {0};
+  int32_t *d_table = test::upload(table), *d_pos = test::upload(pos), *d_seq = test::upload(seq);
+  struct Shape { int n_heads, n_kv; int64_t k; };
+  for (const Shape& sh : {Shape{24, 24, 3072}, Shape{64, 8, 4096}}) {
+    const int hd = 128;
+    const int64_t q_dim = sh.n_heads * hd, kv_dim = sh.n_kv * hd, k = sh.k;
+    const int64_t k_off = cu::padded_rows(q_dim), v_off = k_off + cu::padded_rows(kv_dim);
+    for (DType t : {DType::Q4_0, DType::Q8_0, DType::MXFP4, DType::Q4_K}) {
+      const size_t rb = dtype_row_bytes(t, (uint64_t)k);
+      const auto wq = random_matrix(t, q_dim, k, 1), wk = random_matrix(t, kv_dim, k, 2),
+                 wv = random_matrix(t, kv_dim, k, 3);
+      const cu::MatrixPart parts[3] = {{t, wq.data(), q_dim, k, rb}, {t, wk.data(), kv_dim, k, rb},
+                                       {t, wv.data(), kv_dim, k, rb}};
+      for (int n_rot : {hd, 64}) {
+        DevFloats d_cs(gaussian((size_t)64 * n_rot, 11));
+        cu::Matrix m = cu::upload_matrix(parts, 3, nullptr);
+        cu::ActBuf a = cu::act_alloc(m.act(), k, 1);
+        DevFloats dx(gaussian((size_t)k, 5));
+        cu::PrepArgs p;
+        p.d_x = dx.p;
+        p.ld = k;
+        cu::prep_act(p, 1, a, nullptr);
+        const size_t cache = (size_t)max_blocks * block * kv_dim * 4;
+        auto zeros = [&] { return test::upload(std::vector<uint8_t>(cache, 0)); };
+        const std::vector<float> zero_y((size_t)m.rows, 0.f);
+        cu::KvArgs kv_ref{zeros(), zeros(), false, block, max_blocks, d_table};
+        DevFloats y_ref(zero_y);
+        cu::matmul(m, a, 1, y_ref.p, m.rows, m.rows, false, nullptr);
+        cu::rope_kv(y_ref.p, m.rows, k_off, v_off, 1, d_pos, d_seq, d_cs.p, sh.n_heads, sh.n_kv, hd, n_rot, kv_ref,
+                    nullptr);
+        cu::sync_device();
+        const auto y_r = download(y_ref.p, zero_y.size());
+        const auto k_r = download(static_cast<const float*>(kv_ref.d_k), cache / 4);
+        const auto v_r = download(static_cast<const float*>(kv_ref.d_v), cache / 4);
+        const float scale = std::max({max_abs(y_r), max_abs(k_r), max_abs(v_r)});
+        for (int mode : {0, 1}) {
+          SCOPED_TRACE(std::string(dtype_name(t)) + " heads " + std::to_string(sh.n_heads) + "/" +
+                       std::to_string(sh.n_kv) + " k " + std::to_string(k) + " n_rot " + std::to_string(n_rot) +
+                       " pooled " + std::to_string(mode));
+          cu::KvArgs kv{zeros(), zeros(), false, block, max_blocks, d_table};
+          DevFloats y(zero_y);
+          cu::set_matvec1_pool(mode);
+          const bool ok = cu::matmul_rope_kv(m, a, 1, y.p, m.rows,
+                                             rope_args(d_pos, d_seq, d_cs.p, q_dim, kv_dim, k_off, v_off, hd, n_rot, kv),
+                                             nullptr);
+          const int used = cu::matvec1_last_pool();
+          cu::set_matvec1_pool(-1);
+          ASSERT_TRUE(ok);
+          EXPECT_EQ(used, mode);
+          cu::sync_device();
+          const auto y_f = download(y.p, zero_y.size());
+          const auto k_f = download(static_cast<const float*>(kv.d_k), cache / 4);
+          const auto v_f = download(static_cast<const float*>(kv.d_v), cache / 4);
+          const float tol = mode == 0 ? 0.f : 1e-5f * scale;
+          int bad = 0;
+          for (int64_t i = 0; i < q_dim; ++i) bad += !(std::fabs(y_f[i] - y_r[i]) <= tol);
+          for (size_t i = 0; i < k_r.size(); ++i) bad += !(std::fabs(k_f[i] - k_r[i]) <= tol);
+          for (size_t i = 0; i < v_r.size(); ++i) bad += !(std::fabs(v_f[i] - v_r[i]) <= tol);
+          EXPECT_EQ(bad, 0) << "tolerance " << tol;
+          cu::dev_free(kv.d_k);
+          cu::dev_free(kv.d_v);
+        }
+        cu::dev_free(kv_ref.d_k);
+        cu::dev_free(kv_ref.d_v);
+        cu::act_free(a);
+        cu::free_matrix(m);
       }
     }
   }

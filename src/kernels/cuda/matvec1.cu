@@ -64,9 +64,9 @@ struct Key {  // the instance a launch takes (kernel_of)
   int run;
   int nt = 1;  // tokens
 };
-constexpr int kVariants = 2 * kEpis * 2 * 2 * 4 * kFewMax;
+constexpr int kVariants = 2 * kEpis * 2 * 2 * kRuns * kFewMax;
 constexpr int variant_of(const Key& k) {
-  return (((((k.mb == 3 ? 1 : 0) * kEpis + k.epi) * 2 + (k.x ? 1 : 0)) * 2 + (k.g ? 1 : 0)) * 4 + k.run) * kFewMax +
+  return (((((k.mb == 3 ? 1 : 0) * kEpis + k.epi) * 2 + (k.x ? 1 : 0)) * 2 + (k.g ? 1 : 0)) * kRuns + k.run) * kFewMax +
          k.nt - 1;
 }
 
@@ -147,6 +147,7 @@ template <int F>
 void prepare() {
   prepare_instance<F, kEpiPlain, false, kRunNone>();  // lean
   prepare_instance<F, kEpiRope, false, kRunNone>();
+  if constexpr (F != kTQ2) prepare_instance<F, kEpiRope, false, kRunPool>();  // TQ2_0 has no lean family
   prepare_instance<F, kEpiGlu, false, kRunNone>();
   prepare_instance<F, kEpiArgmax, false, kRunNone>();
   prepare_instance<F, kEpiNorm, false, kRunNone>();
@@ -176,6 +177,9 @@ Mv1Kernel instance(int mb, bool x) {
 template <int F>
 Mv1Kernel kernel_of(const Key& k) {
   switch (k.run) {
+    case kRunPool:
+      if constexpr (F != kTQ2) return instance<F, kEpiRope, false, kRunPool>(k.mb, k.x);
+      break;
     case kRunRope: return instance<F, kEpiPlain, false, kRunRope>(k.mb, k.x);
     case kRunGlu: return instance<F, kEpiNorm, false, kRunGlu>(k.mb, k.x);
     case kRunAll:
@@ -360,6 +364,34 @@ struct Extra {
   unsigned long long* argmax = nullptr;
 };
 
+// MERLIN_CUDA_MV1_POOL=0 (read once; A/B timing): one-token RoPE products never take the pooled walk;
+// set_matvec1_pool (tests) overrides it.
+int g_pool_override = -1;
+int g_last_pool = 0;
+bool pool_off() {
+  static const bool off = env_is("MERLIN_CUDA_MV1_POOL", "0");
+  return g_pool_override == 0 || (g_pool_override < 0 && off);
+}
+
+// Whether the one-token RoPE product p (choose_split done, `ctas` resident CTAs) takes the pooled walk
+// (pooled_walk, the kRunPool instance): where its tiles outnumber the CTAs, every warp gets a round of every
+// tile of its CTA (rounds per tile >= warps) and the busiest warp walks fewer rounds than in choose_split's
+// groups (iphone's Q4_0 / MXFP4 / Q4_K QKV, 576 tiles of 12 rounds over 264 CTAs: 5 against 6; a Q8_0 row's
+// 24 rounds, or macbook's 16 at S = 8, divide evenly either way, so they keep the groups). Sets p.rounds (one
+// warp's rounds per tile) and the grid where it does; pool_ctas (the twin's resident CTAs) must be ctas.
+// H200 tg128 (docs/BENCHMARKS.md, forty-first session), groups / pooled: iphone q4_0 1,302-1,310 / 1,322-1,331
+// t/s, mxfp4 1,016 / 1,037, q4_k 1,137 / 1,162.
+bool plan_pool(Mv1Args& p, int f, int64_t ctas, int64_t pool_ctas, unsigned& grid) {
+  if (pool_off() || f == kTQ2 || pool_ctas != ctas) return false;
+  const int64_t r1 = (p.n_chunks + kRound - 1) / kRound, per = (p.tiles + ctas - 1) / ctas;
+  if (p.tiles <= ctas || r1 < kWarps || per > kPoolTiles) return false;
+  const int64_t pooled = (per * r1 + kWarps - 1) / kWarps, grouped = (p.groups + ctas - 1) / ctas * p.rounds;
+  if (g_pool_override < 0 && pooled >= grouped) return false;
+  p.rounds = (int)r1;
+  grid = (unsigned)ctas;
+  return true;
+}
+
 template <int F>
 void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool accumulate, Stream stream,
             const Extra& e, int nt, int64_t ldy) {
@@ -405,13 +437,20 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
   const int epi = e.glu_out ? kEpiGlu : e.norm_out ? kEpiNorm : e.argmax ? kEpiArgmax : e.rope ? kEpiRope : kEpiPlain;
   const int mb = epi == kEpiNorm ? 1 : epi != kEpiPlain || mv1_mode() < 2 || nt > 1 ? min_blocks(F) : mv1_mode();
   const bool exact = mb != 3 && exact_rounds(F, geo) && !exact_off();
-  const Key key = nt > 1 ? few_key(epi, exact, nt) : pick_instance(F, mb, epi, exact, x.glu_src != nullptr, w.k);
+  Key key = nt > 1 ? few_key(epi, exact, nt) : pick_instance(F, mb, epi, exact, x.glu_src != nullptr, w.k);
   const int per_sm = std::max(1, g_resident[F][variant_of(key)][(w.k - 1) / kKBucket]);
   const int64_t ctas = (int64_t)g_sm_count * per_sm;
   choose_split(p, ctas, tie_by_warps(F, epi == kEpiGlu), epi == kEpiGlu, epi == kEpiNorm);
-  const unsigned grid = (unsigned)std::min<int64_t>(p.groups, ctas);
+  unsigned grid = (unsigned)std::min<int64_t>(p.groups, ctas);
   p.groups_q = p.groups / (int)grid;
   p.groups_r = p.groups % (int)grid;
+  if (key.epi == kEpiRope && nt == 1) {
+    Key pk = key;
+    pk.run = kRunPool;
+    const int64_t pool_ctas = (int64_t)g_sm_count * std::max(1, g_resident[F][variant_of(pk)][(w.k - 1) / kKBucket]);
+    if (plan_pool(p, F, ctas, pool_ctas, grid)) key = pk;
+  }
+  if (epi == kEpiRope && nt == 1) g_last_pool = key.run == kRunPool ? 1 : 0;
   const size_t smem = x.glu_src ? smem_bytes_glu<F>(w.k, nt) : smem_rows<F>(w.k, nt);
   const Mv1Kernel kernel = nt > 1 ? few_kernel<F>(epi, exact, nt) : kernel_of<F>(key);
   apply_carveout(reinterpret_cast<const void*>(kernel), mv1_carveout(F, w.k));
@@ -617,6 +656,8 @@ bool matvec1_norm(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, b
 }
 
 void set_matvec1_split(int lsplit) { g_split_override = lsplit; }
+void set_matvec1_pool(int mode) { g_pool_override = mode; }
+int matvec1_last_pool() { return g_last_pool; }
 void set_matvec1_instances(int family) { g_family_override = family; }
 
 bool matvec1_argmax_fits(const Matrix& w) {

@@ -51,6 +51,11 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int64_t row) {
 }
 #endif
 
+// Tests: the pooled walk of a one-token RoPE product (pooled_walk in matvec1_kernel.cuh): -1 the rule
+// (plan_pool), 0 never, 1 wherever it fits; and whether the last one-token RoPE launch took it.
+void set_matvec1_pool(int mode);
+int matvec1_last_pool();
+
 // Called once by init_matmul_kernels (never inside a graph capture): kernel attributes and occupancy.
 void init_matvec1_kernels();
 

@@ -363,10 +363,99 @@ __device__ __forceinline__ void publish_argmax_few(const Mv1Args& p, FewShared<W
   if ((int)threadIdx.x < NT && fs.best[threadIdx.x] != 0ull) atomicMax(p.argmax + threadIdx.x, fs.best[threadIdx.x]);
 }
 
+// The pooled walk (the kRunPool RoPE instance at one token; the host's plan_pool): each CTA takes whole tiles,
+// tiles / grid or one more, and its warps share the CTA's (tile, round) units, unit u being round u % rounds
+// of the CTA's tile u / rounds (p.rounds: one warp's rounds per tile), warp w walking u = w, w + W, ... So a
+// CTA of 3 tiles runs ceil(3 x 12 / 8) = 5 rounds per warp where groups of S warps per tile ran 6 (iphone's
+// QKV: 576 tiles over 264 CTAs; 24 CTAs walked two groups of 2 tiles while the rest walked one). A warp's
+// units of one tile are consecutive, so it leaves one partial sum per tile it touched (every warp touches
+// every tile: rounds >= W, the host sees to it), and the epilogue adds a row's W partials in warp order.
+constexpr int kPoolTiles = 4;  // tiles per CTA at most (plan_pool)
+struct PoolWalk {
+  int t0, units;  // the CTA's first tile and its units
+  __device__ explicit PoolWalk(const Mv1Args& p) {
+    const int b = (int)blockIdx.x, q = p.tiles / (int)gridDim.x, r = p.tiles % (int)gridDim.x;
+    t0 = b * q + min(b, r);
+    units = (q + (b < r ? 1 : 0)) * p.rounds;
+  }
+};
+// Moves (tile, round) `step` units on.
+__device__ __forceinline__ void pool_next(const Mv1Args& p, int& tile, int& rr, int step) {
+  rr += step;
+  while (rr >= p.rounds) {
+    rr -= p.rounds;
+    ++tile;
+  }
+}
+// Before pdl_wait: the warp's first unit into `ra`, and L2 prefetches of the next p.l2_items.
+template <int F, bool X, int W>
+__device__ __forceinline__ void pool_first(const Mv1Args& p, int warp, int lane, Round<F>& ra) {
+  const PoolWalk pw(p);
+  int tile = pw.t0, rr = 0;
+  pool_next(p, tile, rr, warp);
+  if (warp >= pw.units) return;
+  load_round<F, X>(p, tile, rr * kRound, p.n_chunks, lane, ra);
+  if (lane == 0)
+    for (int i = 1, u = warp + W; i <= p.l2_items && u < pw.units; ++i, u += W) {
+      pool_next(p, tile, rr, W);
+      prefetch_round<F>(p, tile, rr * kRound, p.n_chunks);
+    }
+}
+template <int F, bool X, int W>
+__device__ __forceinline__ void pooled_walk(const Mv1Args& p, Round<F>& ra, Round<F>& rb, const uint2* xq,
+                                            const float* xs, int warp, int lane, const RopeTarget& at) {
+  __shared__ float part[kPoolTiles][W][16];
+  const PoolWalk pw(p);
+  int tile = pw.t0, rr = 0, u = warp;
+  pool_next(p, tile, rr, warp);
+  float acc0[1] = {0.f}, acc1[1] = {0.f};
+  // Unit u from `now` (loaded), unit u + W requested into `next`; the partial sum leaves at a tile's end.
+  auto step = [&](const Round<F>& now, Round<F>& next) {
+    int nt = tile, nr = rr;
+    pool_next(p, nt, nr, W);
+    const bool more = u + W < pw.units;
+    if (more) load_round<F, X>(p, nt, nr * kRound, p.n_chunks, lane, next);
+    compute_round<F, X, 1>(p, now, rr * kRound, p.n_chunks, xq, xs, lane & 3, acc0, acc1);
+    if (!more || nt != tile) {
+      quad_sums(acc0, acc1);
+      if ((lane & 3) == 0) {
+        part[tile - pw.t0][warp][lane >> 2] = acc0[0];
+        part[tile - pw.t0][warp][(lane >> 2) + 8] = acc1[0];
+      }
+      acc0[0] = acc1[0] = 0.f;
+    }
+    tile = nt, rr = nr, u += W;
+    return more;
+  };
+  if (u < pw.units)
+    while (step(ra, rb) && step(rb, ra)) {
+    }
+  __syncthreads();
+  const int n_rows = pw.units / p.rounds * 16;
+  if ((int)threadIdx.x < ((n_rows + 31) & ~31)) {  // whole warps, for the partner shuffle
+    const bool act = (int)threadIdx.x < n_rows;
+    const int ts = threadIdx.x >> 4, r16 = threadIdx.x & 15;
+    float v = 0.f;
+    if (act)
+      for (int w = 0; w < W; ++w) v += part[ts][w][r16];
+    const int64_t row = (int64_t)(pw.t0 + ts) * 16 + r16;
+    const float partner = __shfl_xor_sync(0xffffffffu, v, 1);
+    if (act && row < p.n_out) rope_store(p.rope, p.y, row, v, partner, at);
+  }
+}
+
 // G: the row is staged as SwiGLU of the gate/up row (stage_x). Run: what the instance decides at run time,
 // kRunRope (RoPE by p.rope_on) and kRunGlu (the SwiGLU staging by p.glu_src); kRunAll is the general instance
 // every launch took before the thirty-first session (instance families: pick_instance).
-enum Run : int { kRunNone = 0, kRunRope = 1, kRunGlu = 2, kRunAll = 3 };
+// kRunPool: the lean RoPE instance's twin that walks whole tiles per CTA (pooled_walk; E = kEpiRope only), a
+// separate instance because the walk's code inside the lean one cost the launches that never took it (H200
+// tg128, forty-first session: base q4_k 4,024-4,028 -> 3,918 t/s; as a twin 3,972, docs/BENCHMARKS.md).
+enum Run : int { kRunNone = 0, kRunRope = 1, kRunGlu = 2, kRunAll = 3, kRunPool = 4 };
+constexpr int kRuns = 5;
+// In the kRunPool instance the tile groups' walk after pooled_walk's return is unreachable, by design: nvcc
+// warns (#128) for that instance. Kept as one body rather than an else branch, whose different PTX
+// (register numbering, instruction order) would change every other instance's code.
+#pragma nv_diag_suppress 128
 template <int F, int MB, int E, bool X, bool G, int Run, int NT = 1>
 __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
   constexpr bool Glu = E == kEpiGlu, Norm = E == kEpiNorm, Argmax = E == kEpiArgmax;
@@ -405,7 +494,11 @@ __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
   // the second one there too made ptxas spill in every variant.
   Round<F> ra{}, rb{};
   Cursor cur{(int)blockIdx.x, 0};
-  if (n_items > 0) load_round<F, X>(p, tile_of(cur), chunk_of(cur), nc_of(cur), lane, ra);
+  constexpr bool kPool = E == kEpiRope && Run == kRunPool && NT == 1;  // the pooled walk (pooled_walk)
+  static_assert(Run != kRunPool || kPool, "the pooled walk: the one-token RoPE instance only");
+  constexpr bool pool = kPool;
+  if (pool) pool_first<F, X, W>(p, warp, lane, ra);
+  else if (n_items > 0) load_round<F, X>(p, tile_of(cur), chunk_of(cur), nc_of(cur), lane, ra);
   RopeTarget at[NT];
   __shared__ FewShared<W, NT> fs_few;  // NT > 1 only (unused, and removed by the compiler, at one token)
   if constexpr (NT > 1) few_prologue<W, NT>(p, fs_few, rope_rows<R>(p), warp, lane);
@@ -423,7 +516,7 @@ __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
   float nw = 0.0f;  // the first group's, like its first round
   if (Norm && n_items > 0) nw = NT == 1 ? norm_weight<W>(p, (int)blockIdx.x) : few_norm_weight<W, NT>(p, (int)blockIdx.x);
   // L2 prefetch (lane 0) of the items after the first, which are loaded into registers only one ahead.
-  if (p.l2_items > 0 && lane == 0) {
+  if (!pool && p.l2_items > 0 && lane == 0) {
     Cursor c = cur;
     for (int i = 1; i < n_items && i <= p.l2_items; ++i) {
       advance(p, c);
@@ -444,6 +537,12 @@ __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
   stage_x<F, W, G, (Run & kRunGlu) != 0, NT>(p, smem);
   const uint2* xq = reinterpret_cast<const uint2*>(smem);
   const float* xs = reinterpret_cast<const float*>(smem + p.k);
+  if constexpr (kPool) {
+    if (pool) {
+      pooled_walk<F, X, W>(p, ra, rb, xq, xs, warp, lane, at[0]);
+      return;
+    }
+  }
   float acc0[NT], acc1[NT];
 #pragma unroll
   for (int tt = 0; tt < NT; ++tt) acc0[tt] = acc1[tt] = 0.f;
@@ -477,7 +576,9 @@ __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
     if constexpr (NT == 1) publish_argmax<W, NT>(p, best);
     else publish_argmax_few<W, NT>(p, fs_few);
   }
+
 }
+#pragma nv_diag_default 128
 
 // Staged activation bytes of one token (stage_x): codes and scales, for Q4_0 16 bytes per 8 codes.
 template <int F>
