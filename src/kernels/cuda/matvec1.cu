@@ -32,6 +32,7 @@
 
 #include "core/sys.h"
 #include "kernels/cuda/matvec1_kernel.cuh"
+#include "kernels/cuda/matvec1_pool.h"
 
 namespace merlin::cuda {
 namespace {
@@ -147,7 +148,6 @@ template <int F>
 void prepare() {
   prepare_instance<F, kEpiPlain, false, kRunNone>();  // lean
   prepare_instance<F, kEpiRope, false, kRunNone>();
-  if constexpr (F != kTQ2) prepare_instance<F, kEpiRope, false, kRunPool>();  // TQ2_0 has no lean family
   prepare_instance<F, kEpiGlu, false, kRunNone>();
   prepare_instance<F, kEpiArgmax, false, kRunNone>();
   prepare_instance<F, kEpiNorm, false, kRunNone>();
@@ -177,9 +177,6 @@ Mv1Kernel instance(int mb, bool x) {
 template <int F>
 Mv1Kernel kernel_of(const Key& k) {
   switch (k.run) {
-    case kRunPool:
-      if constexpr (F != kTQ2) return instance<F, kEpiRope, false, kRunPool>(k.mb, k.x);
-      break;
     case kRunRope: return instance<F, kEpiPlain, false, kRunRope>(k.mb, k.x);
     case kRunGlu: return instance<F, kEpiNorm, false, kRunGlu>(k.mb, k.x);
     case kRunAll:
@@ -447,12 +444,15 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
   if (key.epi == kEpiRope && nt == 1) {
     Key pk = key;
     pk.run = kRunPool;
-    const int64_t pool_ctas = (int64_t)g_sm_count * std::max(1, g_resident[F][variant_of(pk)][(w.k - 1) / kKBucket]);
-    if (plan_pool(p, F, ctas, pool_ctas, grid)) key = pk;
+    const int64_t pool_ctas = (int64_t)g_sm_count * std::max(1, matvec1_pool_resident(F, exact, w.k));
+    if (matvec1_pool_kernel(F, exact) && plan_pool(p, F, ctas, pool_ctas, grid)) key = pk;
   }
   if (epi == kEpiRope && nt == 1) g_last_pool = key.run == kRunPool ? 1 : 0;
   const size_t smem = x.glu_src ? smem_bytes_glu<F>(w.k, nt) : smem_rows<F>(w.k, nt);
-  const Mv1Kernel kernel = nt > 1 ? few_kernel<F>(epi, exact, nt) : kernel_of<F>(key);
+  // The twin lives in matvec1_pool.cu: the same kernel signature, its parameter struct from the same header.
+  const Mv1Kernel kernel = nt > 1                  ? few_kernel<F>(epi, exact, nt)
+                           : key.run == kRunPool ? reinterpret_cast<Mv1Kernel>(matvec1_pool_kernel(F, exact))
+                                                 : kernel_of<F>(key);
   apply_carveout(reinterpret_cast<const void*>(kernel), mv1_carveout(F, w.k));
   launch_pdl(kernel, dim3(grid), dim3(warps_of(epi) * 32), smem, stream, p);
   check_launch("matvec1");
@@ -691,6 +691,7 @@ void init_matvec1_kernels() {
   prepare<kMXFP4>();
   prepare<kQ4_K>();
   prepare<kTQ2>();
+  init_matvec1_pool_kernels();
   MERLIN_CUDA_CHECK(cudaDeviceGetAttribute(&g_sm_count, cudaDevAttrMultiProcessorCount, dev));
 }
 

@@ -447,9 +447,12 @@ __device__ __forceinline__ void pooled_walk(const Mv1Args& p, Round<F>& ra, Roun
 // G: the row is staged as SwiGLU of the gate/up row (stage_x). Run: what the instance decides at run time,
 // kRunRope (RoPE by p.rope_on) and kRunGlu (the SwiGLU staging by p.glu_src); kRunAll is the general instance
 // every launch took before the thirty-first session (instance families: pick_instance).
-// kRunPool: the lean RoPE instance's twin that walks whole tiles per CTA (pooled_walk; E = kEpiRope only), a
-// separate instance because the walk's code inside the lean one cost the launches that never took it (H200
-// tg128, forty-first session: base q4_k 4,024-4,028 -> 3,918 t/s; as a twin 3,972, docs/BENCHMARKS.md).
+// kRunPool: the lean RoPE instance's twin that walks whole tiles per CTA (pooled_walk; E = kEpiRope only),
+// built in matvec1_pool.cu only. A separate instance because the walk's code inside the lean one cost the
+// launches that never took it, and a separate translation unit because the twins in matvec1.cu's module cost
+// kernels they do not touch (H200 tg128, forty-first session, base q4_k: 4,024-4,028 t/s before, 3,918 with
+// the walk in the lean instance, 3,972-3,987 with the twins in matvec1.cu, 4,056 with them in their own unit;
+// docs/BENCHMARKS.md).
 enum Run : int { kRunNone = 0, kRunRope = 1, kRunGlu = 2, kRunAll = 3, kRunPool = 4 };
 constexpr int kRuns = 5;
 // In the kRunPool instance the tile groups' walk after pooled_walk's return is unreachable, by design: nvcc
