@@ -65,9 +65,9 @@ struct Key {  // the instance a launch takes (kernel_of)
   int run;
   int nt = 1;  // tokens
 };
-constexpr int kVariants = 2 * kEpis * 2 * 2 * kRuns * kFewMax;
+constexpr int kVariants = 2 * kEpis * 2 * 2 * 4 * kFewMax;
 constexpr int variant_of(const Key& k) {
-  return (((((k.mb == 3 ? 1 : 0) * kEpis + k.epi) * 2 + (k.x ? 1 : 0)) * 2 + (k.g ? 1 : 0)) * kRuns + k.run) * kFewMax +
+  return (((((k.mb == 3 ? 1 : 0) * kEpis + k.epi) * 2 + (k.x ? 1 : 0)) * 2 + (k.g ? 1 : 0)) * 4 + k.run) * kFewMax +
          k.nt - 1;
 }
 
@@ -376,10 +376,11 @@ bool pool_off() {
 // groups (iphone's Q4_0 / MXFP4 / Q4_K QKV, 576 tiles of 12 rounds over 264 CTAs: 5 against 6; a Q8_0 row's
 // 24 rounds, or macbook's 16 at S = 8, divide evenly either way, so they keep the groups). Sets p.rounds (one
 // warp's rounds per tile) and the grid where it does; pool_ctas (the twin's resident CTAs) must be ctas.
+// The caller has checked that the format has a twin (matvec1_pool_kernel).
 // H200 tg128 (docs/BENCHMARKS.md, forty-first session), groups / pooled: iphone q4_0 1,302-1,310 / 1,322-1,331
 // t/s, mxfp4 1,016 / 1,037, q4_k 1,137 / 1,162.
-bool plan_pool(Mv1Args& p, int f, int64_t ctas, int64_t pool_ctas, unsigned& grid) {
-  if (pool_off() || f == kTQ2 || pool_ctas != ctas) return false;
+bool plan_pool(Mv1Args& p, int64_t ctas, int64_t pool_ctas, unsigned& grid) {
+  if (pool_off() || pool_ctas != ctas) return false;
   const int64_t r1 = (p.n_chunks + kRound - 1) / kRound, per = (p.tiles + ctas - 1) / ctas;
   if (p.tiles <= ctas || r1 < kWarps || per > kPoolTiles) return false;
   const int64_t pooled = (per * r1 + kWarps - 1) / kWarps, grouped = (p.groups + ctas - 1) / ctas * p.rounds;
@@ -441,13 +442,12 @@ void launch(const Matrix& w, const ActBuf& x, float* d_y, int64_t n_out, bool ac
   unsigned grid = (unsigned)std::min<int64_t>(p.groups, ctas);
   p.groups_q = p.groups / (int)grid;
   p.groups_r = p.groups % (int)grid;
-  if (key.epi == kEpiRope && nt == 1) {
-    Key pk = key;
-    pk.run = kRunPool;
+  if (epi == kEpiRope && nt == 1) {  // the lean RoPE instance may hand over to its pooled twin
     const int64_t pool_ctas = (int64_t)g_sm_count * std::max(1, matvec1_pool_resident(F, exact, w.k));
-    if (matvec1_pool_kernel(F, exact) && plan_pool(p, F, ctas, pool_ctas, grid)) key = pk;
+    if (key.epi == kEpiRope && matvec1_pool_kernel(F, exact) && plan_pool(p, ctas, pool_ctas, grid))
+      key.run = kRunPool;
+    g_last_pool = key.run == kRunPool ? 1 : 0;
   }
-  if (epi == kEpiRope && nt == 1) g_last_pool = key.run == kRunPool ? 1 : 0;
   const size_t smem = x.glu_src ? smem_bytes_glu<F>(w.k, nt) : smem_rows<F>(w.k, nt);
   // The twin lives in matvec1_pool.cu: the same kernel signature, its parameter struct from the same header.
   const Mv1Kernel kernel = nt > 1                  ? few_kernel<F>(epi, exact, nt)

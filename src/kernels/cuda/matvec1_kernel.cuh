@@ -454,10 +454,9 @@ __device__ __forceinline__ void pooled_walk(const Mv1Args& p, Round<F>& ra, Roun
 // the walk in the lean instance, 3,972-3,987 with the twins in matvec1.cu, 4,056 with them in their own unit;
 // docs/BENCHMARKS.md).
 enum Run : int { kRunNone = 0, kRunRope = 1, kRunGlu = 2, kRunAll = 3, kRunPool = 4 };
-constexpr int kRuns = 5;
 // In the kRunPool instance the tile groups' walk after pooled_walk's return is unreachable, by design: nvcc
 // warns (#128) for that instance. Kept as one body rather than an else branch, whose different PTX
-// (register numbering, instruction order) would change every other instance's code.
+// (register numbering, instruction order; measured) would change every other instance's code.
 #pragma nv_diag_suppress 128
 template <int F, int MB, int E, bool X, bool G, int Run, int NT = 1>
 __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
@@ -499,8 +498,7 @@ __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
   Cursor cur{(int)blockIdx.x, 0};
   constexpr bool kPool = E == kEpiRope && Run == kRunPool && NT == 1;  // the pooled walk (pooled_walk)
   static_assert(Run != kRunPool || kPool, "the pooled walk: the one-token RoPE instance only");
-  constexpr bool pool = kPool;
-  if (pool) pool_first<F, X, W>(p, warp, lane, ra);
+  if (kPool) pool_first<F, X, W>(p, warp, lane, ra);
   else if (n_items > 0) load_round<F, X>(p, tile_of(cur), chunk_of(cur), nc_of(cur), lane, ra);
   RopeTarget at[NT];
   __shared__ FewShared<W, NT> fs_few;  // NT > 1 only (unused, and removed by the compiler, at one token)
@@ -519,7 +517,7 @@ __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
   float nw = 0.0f;  // the first group's, like its first round
   if (Norm && n_items > 0) nw = NT == 1 ? norm_weight<W>(p, (int)blockIdx.x) : few_norm_weight<W, NT>(p, (int)blockIdx.x);
   // L2 prefetch (lane 0) of the items after the first, which are loaded into registers only one ahead.
-  if (!pool && p.l2_items > 0 && lane == 0) {
+  if (!kPool && p.l2_items > 0 && lane == 0) {
     Cursor c = cur;
     for (int i = 1; i < n_items && i <= p.l2_items; ++i) {
       advance(p, c);
@@ -541,10 +539,8 @@ __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
   const uint2* xq = reinterpret_cast<const uint2*>(smem);
   const float* xs = reinterpret_cast<const float*>(smem + p.k);
   if constexpr (kPool) {
-    if (pool) {
-      pooled_walk<F, X, W>(p, ra, rb, xq, xs, warp, lane, at[0]);
-      return;
-    }
+    pooled_walk<F, X, W>(p, ra, rb, xq, xs, warp, lane, at[0]);
+    return;
   }
   float acc0[NT], acc1[NT];
 #pragma unroll
@@ -579,7 +575,6 @@ __global__ void __launch_bounds__(warps_of(E) * 32, MB) mv1_kernel(Mv1Args p) {
     if constexpr (NT == 1) publish_argmax<W, NT>(p, best);
     else publish_argmax_few<W, NT>(p, fs_few);
   }
-
 }
 #pragma nv_diag_default 128
 

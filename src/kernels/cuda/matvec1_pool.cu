@@ -14,13 +14,16 @@ namespace {
 int g_pool_resident[8][2][kBuckets] = {};
 
 template <int F, bool X>
+constexpr auto kTwin = mv1_kernel<F, 2, kEpiRope, X, false, kRunPool>;
+
+template <int F, bool X>
 const void* twin() {
-  return reinterpret_cast<const void*>(mv1_kernel<F, 2, kEpiRope, X, false, kRunPool>);
+  return reinterpret_cast<const void*>(kTwin<F, X>);
 }
 
 template <int F, bool X>
 void prepare_twin() {
-  const auto kernel = mv1_kernel<F, 2, kEpiRope, X, false, kRunPool>;
+  const auto kernel = kTwin<F, X>;
   MERLIN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)smem_bytes_glu<F>(kMaxK, 1)));
   for (int b = 0; b < kBuckets; ++b)
