@@ -2,7 +2,8 @@
 // "Benchmarks"): the achieved weight-streaming bandwidth for 1, 8 and 32 tokens, against the device copy
 // bandwidth. Several copies of the matrix rotate so that no launch finds its weights in the 60 MB L2.
 //
-//   cuda_matvec [ROWS K]      (default 16384 4096 and 4096 16384, the 7.19B model's gate/up and down)
+//   cuda_matvec [ROWS K [TYPES]]   (default 16384 4096 and 4096 16384, the 7.19B model's gate/up and down;
+//                                   TYPES: comma-separated type names, e.g. q4_0,q8_0; default all six)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -62,7 +63,7 @@ double time_matmul(const std::vector<cu::Matrix>& mats, const cu::ActBuf& x, int
   return us[us.size() / 2];
 }
 
-void run_shape(int64_t rows, int64_t k, double copy_gbps, cudaStream_t s) {
+void run_shape(int64_t rows, int64_t k, double copy_gbps, cudaStream_t s, const std::string& only = "") {
   const DType types[] = {DType::Q4_0, DType::Q4_K, DType::MXFP4, DType::Q8_0, DType::TQ2_0, DType::BF16};
   float* y = static_cast<float*>(cu::dev_alloc((size_t)32 * rows * sizeof(float)));
   std::vector<float> xs = [&] {
@@ -76,6 +77,7 @@ void run_shape(int64_t rows, int64_t k, double copy_gbps, cudaStream_t s) {
   cu::copy_to_device(d_xf, xs.data(), xs.size() * sizeof(float));
   for (DType t : types) {
     if (k % dtype_info(t).block_size != 0) continue;
+    if (!only.empty() && ("," + only + ",").find("," + std::string(dtype_name(t)) + ",") == std::string::npos) continue;
     const size_t row_bytes = dtype_row_bytes(t, (uint64_t)k);
     const std::vector<uint8_t> raw = random_bytes(row_bytes * rows, 11);
     const cu::MatrixPart part{t, raw.data(), rows, k, row_bytes};
@@ -116,8 +118,8 @@ int main(int argc, char** argv) {
   std::printf("| --- | --- | ---: | ---: | ---: | ---: |\n");
   cudaStream_t s = nullptr;
   check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
-  if (argc == 3) {
-    run_shape(std::atoll(argv[1]), std::atoll(argv[2]), copy, s);
+  if (argc == 3 || argc == 4) {
+    run_shape(std::atoll(argv[1]), std::atoll(argv[2]), copy, s, argc == 4 ? argv[3] : "");
   } else {
     run_shape(16384, 4096, copy, s);
     run_shape(4096, 16384, copy, s);

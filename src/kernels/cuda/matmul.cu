@@ -238,6 +238,37 @@ void set_items(MmArgs& p, int64_t sets, int64_t ctas) {
   p.sets_r = (int)(sets % ctas);
 }
 
+// Warps per tile of a 32-token product over rows too long to stage (one tile per CTA at a time:
+// warps_per_tile's 8; the H kernels of iphone's Q4_0 products, the int8 ones of MXFP4 / Q4_K), chosen as
+// matvec1's choose_split does: the split whose busiest CTA walks the fewest rounds, (tile sets per CTA) x
+// (rounds per set); ties keep the larger split. Such a kernel's time is its rounds per warp (~3.5 us each
+// for iphone's k = 3,072 in Q4_0), and at 8 warps per tile half of them idle in a set's second round (48
+// chunks over 2 rounds of 32). H200, 32 tokens, cuda_matvec (forty-second session, docs/BENCHMARKS.md),
+// 24,576 x 3,072 (iphone's gate/up, 1,536 tiles): 8 / 4 / 2 / 1 warps per tile 12 / 9 / 12 / 12 rounds per
+// CTA, Q4_0 41.6 / 33.8 / 42.3 / 41.9 us, MXFP4 57.2 / 52.1 at 8 / 4, Q4_K 60.9 / 55.0; 9,216 x 3,072 (QKV)
+// 6 / 6 / 6 / 12 rounds, 21.0 / 22.0 / 21.6 / 39.1 us (hence ties keep 8); Wo and down (192 tiles) are best
+// at 8. iphone tg64 x32: q4_0 13,018-13,033 -> 13,963-13,964 t/s, mxfp4 9,912-9,961 -> 10,396-10,432, q4_k
+// 9,198-9,212 -> 9,556-9,581 (gate/up takes 4, and a head of that format); Q8_0 (96 chunks) ties, base's rows
+// are staged, macbook's tie. Results depend on the split (the partial sums meet in another order), not on
+// the number of tokens: batch invariance holds within 17-32 tokens. MERLIN_CUDA_MM_LONG_SPLIT=S (read once)
+// forces S warps per tile on such products (A/B timing), =0 keeps warps_per_tile's choice.
+int long_row_split(int64_t n_chunks, int64_t tiles, int64_t resident, int round, int current) {
+  static const int forced = [] {
+    const int v = (int)env_int("MERLIN_CUDA_MM_LONG_SPLIT", -1);
+    return v == 0 || v == 1 || v == 2 || v == 4 || v == 8 ? v : -1;
+  }();
+  if (forced >= 0) return forced == 0 ? current : forced;
+  if (current != kWarps || round != kRound) return current;
+  auto cost = [&](int s) {
+    const int64_t per_set = kWarps / s, sets = (tiles + per_set - 1) / per_set;
+    return (sets + resident - 1) / resident * ((n_chunks + (int64_t)s * round - 1) / ((int64_t)s * round));
+  };
+  int best = current;
+  for (int s = kWarps / 2; s >= 1; s /= 2)
+    if (cost(s) < cost(best)) best = s;
+  return best;
+}
+
 template <int F, int NT>
 void launch_nt(MmArgs p, Stream stream, int64_t tiles) {
   constexpr int ni = nt_index(NT);
@@ -257,6 +288,7 @@ void launch_nt(MmArgs p, Stream stream, int64_t tiles) {
       (int64_t)g_sm_count * std::max(1, g_resident[F][capped ? 3 : ni][p.stage_x][x][p.round == 2]);
   p.split = warps_per_tile(p.n_chunks, tiles, resident, p.round);
   if (p.glu_on) p.split = glu_split();
+  if (NT == 4 && !p.stage_x && !p.glu_on) p.split = long_row_split(p.n_chunks, tiles, resident, p.round, p.split);
   if (g_split_force > 0) p.split = g_split_force;
   if (p.norm_on == 1) p.split = std::min(p.split, 4);  // a tile set of >= 2 tiles holds whole blocks of 32 rows
   if (p.glu_on) p.split = std::min(p.split, 2);   // a set of >= 2 gate and 2 up tiles: whole blocks
